@@ -1,0 +1,198 @@
+"""Read an Ouro / Huginn / Llama / Qwen2 checkpoint, map it onto TinyLoop, check every tensor, write or build."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors import safe_open
+from transformers import GenerationConfig
+
+from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM
+from tinyloop_hf.ops_tinyloop import rope_angles
+
+from .formats import ConversionError, SourceFormat, Tensors, source_format
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Source:
+    """A checkpoint as read from disk (or from a GGUF file through transformers)."""
+
+    config: dict[str, Any]
+    tensors: Tensors
+    format: SourceFormat
+    directory: Path
+    gguf_file: str | None = None
+    generation: dict[str, Any] | None = None
+
+
+def read_source(src: str | Path, gguf_file: str | None = None) -> Source:
+    directory = Path(src)
+    if not directory.is_dir():
+        raise ConversionError(f"source {str(directory)!r} is not a directory")
+    if gguf_file is not None:
+        return _read_gguf(directory, gguf_file)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise ConversionError(f"source {str(directory)!r} has no config.json")
+    config = json.loads(config_path.read_text())
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else None
+    return Source(config, _read_safetensors(directory), source_format(config), directory, None, generation)
+
+
+def _read_safetensors(directory: Path) -> Tensors:
+    files = sorted(directory.glob("*.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    files = [file for file in files if file.name != "reference.safetensors"]
+    if not files:
+        raise ConversionError(f"source {str(directory)!r} has no *.safetensors weights")
+    tensors: Tensors = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def _read_gguf(directory: Path, gguf_file: str) -> Source:
+    """GGUF files are dequantized by transformers (needs the gguf package) into a Llama/Qwen2 state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    config = model.config.to_dict()
+    generation = model.generation_config.to_dict() if model.generation_config is not None else None
+    return Source(config, dict(model.state_dict()), source_format(config), directory, gguf_file, generation)
+
+
+def tinyloop_config(source: Source, **overrides: Any) -> TinyLoopConfig:
+    kwargs = source.format.config(source.config)
+    kwargs.update({key: value for key, value in overrides.items() if value is not None})
+    return TinyLoopConfig(**kwargs)
+
+
+def convert_tensors(source: Source, config: TinyLoopConfig, dtype: torch.dtype | None = None) -> Tensors:
+    """Map source tensors onto TinyLoop names and check the result against the model's own parameters."""
+    if source.format.name == "huginn_raven":
+        _check_huginn_rope(source, config)
+    tensors = source.format.tensors(source.tensors, source.config)
+    check_state_dict(tensors, config)
+    if dtype is not None:
+        tensors = {name: value.to(dtype) for name, value in tensors.items()}
+    # Fresh contiguous storage: split views of one fused source tensor must not alias each other on disk.
+    return {name: value.contiguous().clone() for name, value in tensors.items()}
+
+
+def check_state_dict(tensors: Tensors, config: TinyLoopConfig) -> None:
+    """Raise a ConversionError naming every missing, unexpected or mis-shaped tensor."""
+    with torch.device("meta"):
+        expected = {name: tuple(value.shape) for name, value in TinyLoopForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong_shape = [
+        f"{name}: expected {list(expected[name])}, got {list(tensors[name].shape)}"
+        for name in sorted(set(expected) & set(tensors))
+        if tuple(tensors[name].shape) != expected[name]
+    ]
+    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(
+        unexpected
+    ) + [f"shape mismatch: {'; '.join(wrong_shape)}"] * bool(wrong_shape)
+    if problems:
+        raise ConversionError("source weights do not fit the converted config: " + " | ".join(problems))
+
+
+def _check_huginn_rope(source: Source, config: TinyLoopConfig) -> None:
+    stored = source.tensors.get("freqs_cis")
+    if stored is None:
+        return
+    positions = torch.arange(stored.shape[1])[None]
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)
+    ours = torch.stack((cos, sin), dim=-1)[:, :, None]  # [1, T, 1, Dh/2, 2], the reference's layout
+    if ours.shape != stored.shape or not torch.allclose(ours, stored.float(), atol=1e-5):
+        raise ConversionError("freqs_cis stored in the Huginn checkpoint does not match rope_base / head_dim")
+
+
+def build_model(source: Source, dtype: torch.dtype | None = None, **overrides: Any) -> TinyLoopForCausalLM:
+    """Convert in memory: a TinyLoopForCausalLM holding the source weights."""
+    config = tinyloop_config(source, **overrides)
+    tensors = convert_tensors(source, config, dtype)
+    config.dtype = next(iter(tensors.values())).dtype
+    with torch.device("meta"):
+        model = TinyLoopForCausalLM(config)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config = generation_config(source, config)
+    return model.eval()
+
+
+def generation_config(source: Source, config: TinyLoopConfig) -> GenerationConfig:
+    """The source's generation settings (token ids filled from the config), saved with custom fields kept."""
+    values = {key: value for key, value in (source.generation or {}).items()
+              if not key.startswith("_") and key != "transformers_version"}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if values.get(key) is None and getattr(config, key) is not None:
+            values[key] = getattr(config, key)
+    generation = GenerationConfig(**values)
+    generation._from_model_config = False
+    return generation
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    gguf_file: str | None = None,
+    dtype: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Convert SRC (Ouro / Huginn / Llama / Qwen2 directory, or a GGUF file in it) into a TinyLoop directory.
+
+    ``overrides`` set TinyLoopConfig fields (e.g. ``max_loops=32``, ``initial_state="random"``).
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source = read_source(src, gguf_file)
+    config = tinyloop_config(source, **overrides)
+    tensors = convert_tensors(source, config, DTYPES.get(dtype) if dtype else None)
+    config.dtype = next(iter(tensors.values())).dtype
+    destination = Path(dst)
+    destination.mkdir(parents=True, exist_ok=True)
+    save_torch_state_dict(tensors, destination)
+    config.architectures = ["TinyLoopForCausalLM"]
+    config.save_pretrained(destination)
+    generation_config(source, config).save_pretrained(destination)
+    _copy_tokenizer(source, destination)
+    return destination
+
+
+def _copy_tokenizer(source: Source, destination: Path) -> None:
+    if source.gguf_file is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(destination)
+        return
+    for name in TOKENIZER_FILES:
+        if (source.directory / name).exists():
+            shutil.copy2(source.directory / name, destination / name)

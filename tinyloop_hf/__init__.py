@@ -1,0 +1,27 @@
+"""tinyloop-hf: Hugging Face drop-in models for looped (recurrent-depth) transformers.
+
+Importing the package registers ``TinyLoopConfig`` / ``TinyLoopModel`` / ``TinyLoopForCausalLM`` with the Auto
+classes, so ``AutoModelForCausalLM.from_pretrained(<tinyloop checkpoint>)`` works without ``trust_remote_code``.
+"""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache_tinyloop import TinyLoopCache
+from .configuration_tinyloop import TinyLoopConfig
+from .modeling_tinyloop import TinyLoopForCausalLM, TinyLoopModel
+from .ops_tinyloop import get_op, register_op
+
+__version__ = "0.1.0"
+
+AutoConfig.register(TinyLoopConfig.model_type, TinyLoopConfig, exist_ok=True)
+AutoModel.register(TinyLoopConfig, TinyLoopModel, exist_ok=True)
+AutoModelForCausalLM.register(TinyLoopConfig, TinyLoopForCausalLM, exist_ok=True)
+
+__all__ = [
+    "TinyLoopCache",
+    "TinyLoopConfig",
+    "TinyLoopForCausalLM",
+    "TinyLoopModel",
+    "get_op",
+    "register_op",
+]

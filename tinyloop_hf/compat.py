@@ -1,0 +1,18 @@
+"""What differs between the transformers 5.x releases we support (5.17 to the newest 5.x), detected once."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from transformers import GenerationMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# 5.24 renamed the cache everywhere: the output field generate() reads back, and the kwarg it passes to forward().
+CACHE_OUTPUT_FIELD = (
+    "cache" if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+)
+GENERATE_CACHE_KEY = (
+    "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)

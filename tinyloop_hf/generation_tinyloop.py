@@ -1,0 +1,57 @@
+"""generate() integration: loop fields in generation_config reach forward, and generate always gets a TinyLoopCache.
+
+transformers keeps unknown generation_config entries but never passes them to forward, and a call keyword of the
+same name is swallowed into the config once the field exists. We copy the resolved value into the model kwargs.
+Precedence: ``generate(num_loops=...)`` > ``generate(generation_config=...)`` > ``model.generation_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, GenerationMixin
+
+from .cache_tinyloop import TinyLoopCache
+from .compat import GENERATE_CACHE_KEY
+
+# generation_config fields forwarded to forward() (each is an explicit forward parameter).
+LOOP_GENERATION_FIELDS = ("num_loops", "exit_threshold", "exit_at_step", "use_weighted_exit")
+
+
+class TinyLoopGenerationMixin(GenerationMixin):
+    def _prepare_generation_config(
+        self, generation_config: GenerationConfig | None, *args: Any, **kwargs: Any
+    ) -> tuple[GenerationConfig, dict[str, Any]]:
+        if kwargs.get("assistant_early_exit") is not None:
+            raise ValueError(
+                "assistant_early_exit truncates layers inside each loop of a looped model and is not supported; "
+                "self-speculative decoding by loop depth is planned as the draft_loops generation field"
+            )
+        generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for field in LOOP_GENERATION_FIELDS:
+            value = getattr(generation_config, field, None)
+            if value is not None and model_kwargs.get(field) is None:
+                model_kwargs[field] = value
+        if isinstance(model_kwargs.get("num_loops"), (list, tuple)):
+            # A tensor is expanded with the batch for beams / num_return_sequences; a list would not be.
+            model_kwargs["num_loops"] = torch.tensor(model_kwargs["num_loops"], dtype=torch.long)
+        return generation_config, model_kwargs
+
+    def _prepare_cache_for_generation(
+        self, generation_config: GenerationConfig, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        given = model_kwargs.get(GENERATE_CACHE_KEY)
+        if given is not None and not isinstance(given, TinyLoopCache):
+            raise TypeError(
+                f"TinyLoopForCausalLM needs a TinyLoopCache (one slot per loop and layer), got {type(given).__name__}"
+            )
+        if given is not None or generation_config.use_cache is False:
+            return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.cache_implementation not in (None, "dynamic"):
+            raise ValueError(
+                f"cache_implementation={generation_config.cache_implementation!r} is not supported by TinyLoop "
+                f"models; leave it unset (generate then uses a TinyLoopCache)"
+            )
+        model_kwargs[GENERATE_CACHE_KEY] = TinyLoopCache(self.config)
+        return None

@@ -1,0 +1,566 @@
+"""TinyLoopModel / TinyLoopForCausalLM: embed -> prelude -> num_loops x (injection + loop block) -> coda -> head.
+
+Every numeric op goes through ``ops_tinyloop.get_op(name, module.op_backend)``, so a quantized linear or a CUDA
+attention replaces the reference without touching this file. Architectures differ only in ``TinyLoopConfig``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .cache_tinyloop import TinyLoopCache
+from .compat import CACHE_OUTPUT_FIELD
+from .configuration_tinyloop import TinyLoopConfig
+from .generation_tinyloop import TinyLoopGenerationMixin
+from .loop_exit import exit_distribution, select_states, threshold_exit_steps
+from .ops_tinyloop import REFERENCE, get_op, rope_angles
+
+LoopCount = int | Sequence[int] | torch.Tensor
+
+
+@dataclass
+class TinyLoopModelOutput(BaseModelOutputWithPast):
+    """``hidden_states``: (loop input, state after loop 1, ..., state after loop T) when requested.
+    ``exit_probabilities`` [B, S, T] and ``gate_logits`` [B, S, T]: the exit gate's distribution over loops."""
+
+    exit_probabilities: torch.Tensor | None = None
+    gate_logits: torch.Tensor | None = None
+
+
+@dataclass
+class TinyLoopCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus the exit gate's distribution over loops ([B, S, T] each)."""
+
+    exit_probabilities: torch.Tensor | None = None
+    gate_logits: torch.Tensor | None = None
+
+
+@dataclass
+class _ForwardContext:
+    """What every layer of one forward shares: RoPE angles, the attention mask, the cache."""
+
+    cos: torch.Tensor  # [B, S, Dh/2] fp32
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # bool [B or 1, 1, S, past + S], True = may attend
+    is_causal: bool
+    cache: TinyLoopCache | None
+    past_length: int
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TinyLoopRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.op_backend = REFERENCE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return get_op("rms_norm", self.op_backend)(x, self.weight, self.eps)
+
+
+class TinyLoopLinear(nn.Linear):
+    """nn.Linear whose matmul goes through the op layer (QuantLinear replaces it as a whole module)."""
+
+    op_backend = REFERENCE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return get_op("linear", self.op_backend)(x, self.weight, self.bias)
+
+
+class TinyLoopAttention(nn.Module):
+    def __init__(self, config: TinyLoopConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.scaling = config.head_dim**-0.5
+        qk_bias = config.attention_bias in ("qk", "qkv")
+        hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = TinyLoopLinear(hidden, heads * self.head_dim, bias=qk_bias)
+        self.k_proj = TinyLoopLinear(hidden, kv_heads * self.head_dim, bias=qk_bias)
+        self.v_proj = TinyLoopLinear(hidden, kv_heads * self.head_dim, bias=config.attention_bias == "qkv")
+        self.o_proj = TinyLoopLinear(heads * self.head_dim, hidden, bias=False)
+        self.op_backend = REFERENCE
+
+    def forward(self, x: torch.Tensor, context: _ForwardContext, slot: int) -> torch.Tensor:
+        batch, length, _ = x.shape
+        shape = (batch, length, -1, self.head_dim)
+        query = self.q_proj(x).view(shape).transpose(1, 2)  # [B, Hq, S, Dh]
+        key = self.k_proj(x).view(shape).transpose(1, 2)  # [B, Hkv, S, Dh]
+        value = self.v_proj(x).view(shape).transpose(1, 2)
+        rope = get_op("rope", self.op_backend)
+        query = rope(query, context.cos, context.sin, self.config.rope_layout)
+        key = rope(key, context.cos, context.sin, self.config.rope_layout)
+        if context.cache is not None:
+            key, value = context.cache.update(key, value, slot, past_length=context.past_length)
+        implementation = "eager" if self.config._attn_implementation == "eager" else "sdpa"
+        out = get_op("attention", self.op_backend)(
+            query, key, value, context.mask, context.is_causal, self.scaling, implementation
+        )  # [B, Hq, S, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class TinyLoopMLP(nn.Module):
+    def __init__(self, config: TinyLoopConfig) -> None:
+        super().__init__()
+        self.gate_proj = TinyLoopLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = TinyLoopLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = TinyLoopLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.op_backend = REFERENCE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(get_op("swiglu", self.op_backend)(self.gate_proj(x), self.up_proj(x)))
+
+
+class TinyLoopBlock(nn.Module):
+    """Attention + SwiGLU MLP with the configured norm placement (N1..N4 are Ouro's names)."""
+
+    def __init__(self, config: TinyLoopConfig) -> None:
+        super().__init__()
+        self.block_norm = config.block_norm
+        self.self_attn = TinyLoopAttention(config)
+        self.mlp = TinyLoopMLP(config)
+        self.input_layernorm = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N1
+        self.post_attention_layernorm = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N3
+        if config.block_norm != "pre":
+            self.input_layernorm_2 = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N2
+            self.post_attention_layernorm_2 = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N4
+
+    def forward(self, x: torch.Tensor, context: _ForwardContext, slot: int) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), context, slot)
+        x = self._residual(x, attn, "input_layernorm_2")
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return self._residual(x, mlp, "post_attention_layernorm_2")
+
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor, second_norm: str) -> torch.Tensor:
+        if self.block_norm == "pre":
+            return x + branch
+        if self.block_norm == "sandwich":
+            return x + getattr(self, second_norm)(branch)
+        return getattr(self, second_norm)(branch + x)  # post_residual
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TinyLoopPreTrainedModel(PreTrainedModel):
+    config_class = TinyLoopConfig
+    config: TinyLoopConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["TinyLoopBlock"]
+    _supports_sdpa = True
+    _can_compile_fullgraph = False
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
+        """No-op: checkpoints carry small import shims (``remote_code.py``), never copies of this package's code."""
+
+    def set_op_backend(self, backend: str) -> None:
+        """Route every op of every module through ``backend`` (e.g. "reference", or a kernel backend)."""
+        for module in self.modules():
+            if hasattr(module, "op_backend"):
+                module.op_backend = backend
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        # Custom generation fields are dropped on reload when the config says it was derived from the model config.
+        if getattr(self, "generation_config", None) is not None:
+            self.generation_config._from_model_config = False
+        super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
+        """As transformers' ``from_pretrained``, but a missing or unexpected tensor is an error, not a warning."""
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        problems = {
+            kind: sorted(info.get(kind) or [])
+            for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+            if info.get(kind)
+        }
+        if problems:
+            details = "; ".join(f"{kind}: {keys}" for kind, keys in problems.items())
+            raise ValueError(f"checkpoint does not match the TinyLoop config ({details})")
+        return (model, info) if wants_info else model
+
+
+class TinyLoopModel(TinyLoopPreTrainedModel):
+    def __init__(self, config: TinyLoopConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.prelude_layers = nn.ModuleList(TinyLoopBlock(config) for _ in range(config.num_prelude_layers))
+        self.loop_layers = nn.ModuleList(TinyLoopBlock(config) for _ in range(config.num_loop_layers))
+        self.coda_layers = nn.ModuleList(TinyLoopBlock(config) for _ in range(config.num_coda_layers))
+        if config.input_injection == "linear_concat":
+            self.injection = TinyLoopLinear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.norm = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.exit_gate:
+            self.exit_gate = TinyLoopLinear(config.hidden_size, 1, bias=True)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: TinyLoopCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        num_loops: LoopCount | None = None,
+        exit_threshold: float | None = None,
+        exit_at_step: int | None = None,
+        cache: TinyLoopCache | None = None,
+    ) -> TinyLoopModelOutput | tuple:
+        cache = _resolve_cache(past_key_values, cache, use_cache, self.config)
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = hidden.shape[:2]
+        past = cache.get_seq_length() if cache is not None else 0
+        position_ids = _resolve_positions(position_ids, attention_mask, past, length, hidden.device)
+        _check_context(position_ids, self.config.max_position_embeddings)
+        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
+        mask, is_causal = _attention_mask(attention_mask, past, length, batch, hidden.device)
+        context = _ForwardContext(cos, sin, mask, is_causal, cache, past)
+        total_loops, loops_per_row = _resolve_loops(num_loops, self.config, batch, hidden.device)
+        exit_at_step = _check_exit_step(exit_at_step, total_loops, loops_per_row)
+
+        if self.config.embedding_scale != 1.0:
+            hidden = hidden * self.config.embedding_scale
+        for index, layer in enumerate(self.prelude_layers):
+            hidden = layer(hidden, context, _slot(cache, "prelude", index))
+        threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
+        keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
+        state, states, gates = self._run_loops(
+            hidden, context, total_loops, loops_per_row, position_ids, keep_states
+        )
+
+        probabilities = exit_distribution(gates, loops_per_row) if gates else None
+        if exit_at_step is not None:
+            state = states[exit_at_step]
+        elif threshold is not None:
+            if probabilities is None:
+                raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
+            state = select_states(states, threshold_exit_steps(probabilities, threshold, loops_per_row))
+        last_hidden = self.finish(state, context)
+
+        hidden_states = (hidden, *states) if output_hidden_states else None
+        gate_logits = torch.stack(gates, dim=2) if gates else None
+        output = TinyLoopModelOutput(
+            last_hidden_state=last_hidden,
+            hidden_states=hidden_states,
+            exit_probabilities=probabilities,
+            gate_logits=gate_logits,
+            **{CACHE_OUTPUT_FIELD: cache},
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def _run_loops(
+        self,
+        loop_input: torch.Tensor,
+        context: _ForwardContext,
+        total_loops: int,
+        loops_per_row: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        keep_states: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Run the loop block; rows whose depth is reached keep their state (their extra work is discarded)."""
+        state = self._initial_state(loop_input, position_ids)
+        states: list[torch.Tensor] = []
+        gates: list[torch.Tensor] = []
+        for loop in range(total_loops):
+            x = self._inject(state, loop_input)
+            for index, layer in enumerate(self.loop_layers):
+                x = layer(x, context, _slot(context.cache, "loop", index, loop))
+            if self.config.final_norm == "every_loop":
+                x = self.norm(x)
+            state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
+            if self.config.exit_gate:
+                gates.append(self.exit_gate(state).squeeze(-1))
+            if keep_states:
+                states.append(state)
+        return state, states, gates
+
+    def _inject(self, state: torch.Tensor, loop_input: torch.Tensor) -> torch.Tensor:
+        if self.config.input_injection == "linear_concat":
+            return self.injection(torch.cat((state, loop_input), dim=-1))
+        if self.config.input_injection == "add":
+            return state + loop_input
+        return state
+
+    def _initial_state(self, loop_input: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.config.initial_state == "input":
+            return loop_input
+        if self.config.initial_state == "zeros":
+            return torch.zeros_like(loop_input)
+        return _seeded_state(position_ids, loop_input, self.config.initial_state_std, self.config.initial_state_seed)
+
+    def finish(self, state: torch.Tensor, context: _ForwardContext | None) -> torch.Tensor:
+        """Loop state -> head input: the coda layers with the configured final norm(s) (context: None only
+        for a model without coda layers)."""
+        x = self.norm(state) if self.config.final_norm == "before_and_after_coda" else state
+        for index, layer in enumerate(self.coda_layers):
+            x = layer(x, context, _slot(context.cache, "coda", index))
+        return self.norm(x) if self.config.final_norm != "every_loop" else x
+
+
+class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TinyLoopConfig) -> None:
+        super().__init__(config)
+        self.model = TinyLoopModel(config)
+        self.lm_head = TinyLoopLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Module) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: TinyLoopCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_loops: LoopCount | None = None,
+        exit_threshold: float | None = None,
+        exit_at_step: int | None = None,
+        use_weighted_exit: bool | None = None,
+        cache: TinyLoopCache | None = None,
+        **loss_kwargs: Any,
+    ) -> TinyLoopCausalLMOutput | tuple:
+        r"""Causal LM forward.
+
+        num_loops: loop depth for this call, an int or one value per row (rows then equal running each alone).
+        exit_at_step: 0-based loop whose state feeds the head. exit_threshold: per token, the first loop whose
+        cumulative exit probability reaches it (exit-gate models). use_weighted_exit: logits = sum_t p_t head(s_t).
+        Selection priority: exit_at_step > exit_threshold > use_weighted_exit > config.exit_threshold > last loop;
+        with ``labels`` and an exit gate the default is the weighted (expected) logits, as in Ouro's training.
+        The cache is taken as ``past_key_values`` or ``cache`` and returned under the name the installed
+        transformers reads. ``use_cache`` defaults to False unless a cache is passed.
+        """
+        unknown = set(loss_kwargs) - {"num_items_in_batch"}
+        if unknown:
+            raise TypeError(f"TinyLoopForCausalLM.forward got unexpected arguments: {sorted(unknown)}")
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported by TinyLoopForCausalLM")
+        weighted = self._weighted_exit(use_weighted_exit, labels, exit_at_step, exit_threshold)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=bool(output_hidden_states) or weighted,
+            num_loops=num_loops,
+            exit_threshold=exit_threshold,
+            exit_at_step=exit_at_step,
+            cache=cache,
+        )
+        keep = _positions_to_keep(logits_to_keep)
+        if weighted:
+            logits = self._expected_logits(outputs.hidden_states[1:], outputs.exit_probabilities, keep)
+        else:
+            logits = self.lm_head(outputs.last_hidden_state[:, keep])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        output = TinyLoopCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states if output_hidden_states else None,
+            exit_probabilities=outputs.exit_probabilities,
+            gate_logits=outputs.gate_logits,
+            **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def _weighted_exit(
+        self, use_weighted_exit: bool | None, labels: Any, exit_at_step: int | None, exit_threshold: float | None
+    ) -> bool:
+        if exit_at_step is not None or exit_threshold is not None:
+            return False
+        weighted = bool(use_weighted_exit) or (labels is not None and self.config.exit_gate)
+        if weighted and not self.config.exit_gate:
+            raise ValueError("use_weighted_exit needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
+        if weighted and self.config.num_coda_layers:
+            raise ValueError("use_weighted_exit needs num_coda_layers == 0 (the coda would run once per loop)")
+        return weighted
+
+    def _expected_logits(
+        self, states: Sequence[torch.Tensor], probabilities: torch.Tensor, keep: slice | torch.Tensor
+    ) -> torch.Tensor:
+        """sum_t p_t * head(state_t), accumulated in the reference's order."""
+        expected = None
+        for step, state in enumerate(states):
+            step_logits = self.lm_head(self.model.finish(state[:, keep], None))
+            weight = probabilities[:, keep][..., step, None].to(step_logits.dtype)
+            expected = step_logits * weight if expected is None else expected + step_logits * weight
+        return expected
+
+    def logits_from_state(self, state: torch.Tensor) -> torch.Tensor:
+        """Logit lens: head logits of a loop state [B, S, H] from ``output_hidden_states`` (coda run without cache,
+        so every position of the sequence must be present)."""
+        batch, length = state.shape[:2]
+        positions = torch.arange(length, device=state.device)[None]
+        cos, sin = rope_angles(positions.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
+        context = _ForwardContext(cos, sin, None, length > 1, None, 0)
+        return self.lm_head(self.model.finish(state, context))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Input resolution helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _slot(cache: TinyLoopCache | None, stage: str, layer: int, loop: int = 0) -> int:
+    return cache.slot_index(stage, layer, loop) if cache is not None else -1
+
+
+def _resolve_cache(
+    past_key_values: Any, cache: Any, use_cache: bool | None, config: TinyLoopConfig
+) -> TinyLoopCache | None:
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("pass the cache as past_key_values or as cache, not both")
+    given = cache if cache is not None else past_key_values
+    if given is not None and not isinstance(given, TinyLoopCache):
+        raise TypeError(
+            f"TinyLoopForCausalLM needs a TinyLoopCache (one slot per loop and layer), got {type(given).__name__}; "
+            f"create one with TinyLoopCache(model.config) or let generate() do it"
+        )
+    if given is None and use_cache:
+        given = TinyLoopCache(config)
+    if given is not None and use_cache is False:
+        return None
+    return given
+
+
+def _resolve_positions(
+    position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, past: int, length: int, device: Any
+) -> torch.Tensor:
+    """[B or 1, S] positions: given ones, else counted over the attention mask (left padding), else past + arange."""
+    if position_ids is not None:
+        return position_ids.to(device)
+    if attention_mask is not None:
+        positions = attention_mask.long().cumsum(-1) - 1
+        return positions.masked_fill(attention_mask == 0, 0)[:, -length:].to(device)
+    return torch.arange(past, past + length, device=device)[None]
+
+
+def _check_context(position_ids: torch.Tensor, max_positions: int) -> None:
+    if position_ids.numel() and int(position_ids.max()) >= max_positions:
+        raise ValueError(
+            f"position {int(position_ids.max())} is beyond the context of this model "
+            f"(TinyLoopConfig.max_position_embeddings={max_positions})"
+        )
+
+
+def _attention_mask(
+    attention_mask: torch.Tensor | None, past: int, length: int, batch: int, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """bool [B, 1, S, past + S] mask (True = may attend) or None with an is_causal flag for the plain cases."""
+    total = past + length
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, total):
+            raise ValueError(
+                f"attention_mask must be 2-D [batch, past + new tokens] = [{batch}, {total}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if bool(attention_mask.all()):
+            attention_mask = None
+    if attention_mask is None and length == 1:
+        return None, False
+    if attention_mask is None and past == 0:
+        return None, True
+    query_positions = torch.arange(past, total, device=device)[:, None]
+    key_positions = torch.arange(total, device=device)[None, :]
+    mask = (key_positions <= query_positions)[None, None]  # [1, 1, S, T]
+    if attention_mask is not None:
+        # A padding query may see only itself, so its (discarded) row never becomes NaN.
+        key_ok = attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        mask = (mask & key_ok) | (key_positions == query_positions)
+    return mask, False
+
+
+def _resolve_loops(
+    num_loops: LoopCount | None, config: TinyLoopConfig, batch: int, device: Any
+) -> tuple[int, torch.Tensor | None]:
+    """(loops to run, per-row depths or None when all rows share the depth)."""
+    allowed = f"an integer in [1, max_loops={config.max_loops}] or one such value per batch row"
+    if num_loops is None:
+        return config.num_loops, None
+    values = num_loops.tolist() if isinstance(num_loops, torch.Tensor) else num_loops
+    if isinstance(values, (list, tuple)):
+        if len(values) != batch:
+            raise ValueError(f"num_loops has {len(values)} values for a batch of {batch} rows")
+    else:
+        values = [values]
+    for value in values:
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= config.max_loops:
+            raise ValueError(f"num_loops must be {allowed}, got {num_loops!r}")
+    if len(set(values)) == 1:
+        return values[0], None
+    return max(values), torch.tensor(values, device=device)
+
+
+def _check_exit_step(exit_at_step: int | None, total_loops: int, loops_per_row: torch.Tensor | None) -> int | None:
+    if exit_at_step is None:
+        return None
+    shallowest = total_loops if loops_per_row is None else int(loops_per_row.min())
+    if not isinstance(exit_at_step, int) or not 0 <= exit_at_step < shallowest:
+        raise ValueError(f"exit_at_step must be an integer in [0, num_loops - 1 = {shallowest - 1}], got {exit_at_step!r}")
+    return exit_at_step
+
+
+def _positions_to_keep(logits_to_keep: int | torch.Tensor) -> slice | torch.Tensor:
+    return slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+
+
+def _seeded_state(position_ids: torch.Tensor, like: torch.Tensor, std: float, seed: int) -> torch.Tensor:
+    """Truncated-normal (+-3 std) initial state, a pure function of (seed, position): caching cannot change it."""
+    positions = position_ids.expand(like.shape[0], -1)
+    unique = positions.unique()
+    table = torch.empty(len(unique), like.shape[-1], dtype=torch.float32)
+    for row, position in enumerate(unique.tolist()):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + position)
+        nn.init.trunc_normal_(table[row], mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+    index = torch.searchsorted(unique, positions)
+    return table.to(device=like.device, dtype=like.dtype)[index]
