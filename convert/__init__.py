@@ -1,6 +1,6 @@
 """Convert Ouro / Huginn / Llama / Qwen2 checkpoints into TinyLoop checkpoints (``tinyloop-convert SRC DST``)."""
 
-from .core import build_model, check_state_dict, convert_checkpoint, read_source
+from .core import build_model, check_state_dict, convert_checkpoint, read_source, source_from_model
 from .formats import FORMATS, ConversionError
 
-__all__ = ["FORMATS", "ConversionError", "build_model", "check_state_dict", "convert_checkpoint", "read_source"]
+__all__ = ["FORMATS", "ConversionError", "build_model", "check_state_dict", "convert_checkpoint", "read_source", "source_from_model"]

@@ -79,9 +79,17 @@ def _read_gguf(directory: Path, gguf_file: str) -> Source:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+    source = source_from_model(model)
+    source.directory, source.gguf_file = directory, gguf_file
+    return source
+
+
+def source_from_model(model: Any) -> Source:
+    """A Llama / Qwen2 model already loaded by transformers (e.g. from a GGUF file) as a conversion source."""
     config = model.config.to_dict()
     generation = model.generation_config.to_dict() if model.generation_config is not None else None
-    return Source(config, dict(model.state_dict()), source_format(config), directory, gguf_file, generation)
+    directory = Path(getattr(model.config, "_name_or_path", "") or ".")
+    return Source(config, dict(model.state_dict()), source_format(config), directory, None, generation)
 
 
 def tinyloop_config(source: Source, **overrides: Any) -> TinyLoopConfig:

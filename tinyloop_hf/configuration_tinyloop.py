@@ -132,7 +132,7 @@ class TinyLoopConfig(PreTrainedConfig):
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.use_cache = use_cache
-        self._validate()
+        self.validate_tinyloop()
         if num_hidden_layers is not None and num_hidden_layers != self.num_hidden_layers:
             raise ValueError(
                 f"TinyLoopConfig.num_hidden_layers is derived (prelude + loop + coda = {self.num_hidden_layers}), "
@@ -159,7 +159,16 @@ class TinyLoopConfig(PreTrainedConfig):
         output["num_hidden_layers"] = self.num_hidden_layers
         return output
 
-    def _validate(self) -> None:
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """As PreTrainedConfig.from_dict; overrides such as ``from_pretrained(path, num_loops=8)`` are validated too."""
+        loaded = super().from_dict(config_dict, **kwargs)
+        config = loaded[0] if isinstance(loaded, tuple) else loaded
+        config.validate_tinyloop()
+        return loaded
+
+    def validate_tinyloop(self) -> None:
+        """Raise ValueError naming the first field whose value is not allowed."""
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "num_loop_layers", "max_position_embeddings"):
             value = getattr(self, field)

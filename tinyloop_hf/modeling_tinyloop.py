@@ -526,7 +526,7 @@ def _resolve_loops(
     """(loops to run, per-row depths or None when all rows share the depth)."""
     allowed = f"an integer in [1, max_loops={config.max_loops}] or one such value per batch row"
     if num_loops is None:
-        return config.num_loops, None
+        num_loops = config.num_loops  # validated again: it may have been edited after loading
     values = num_loops.tolist() if isinstance(num_loops, torch.Tensor) else num_loops
     if isinstance(values, (list, tuple)):
         if len(values) != batch:
@@ -556,11 +556,9 @@ def _positions_to_keep(logits_to_keep: int | torch.Tensor) -> slice | torch.Tens
 
 def _seeded_state(position_ids: torch.Tensor, like: torch.Tensor, std: float, seed: int) -> torch.Tensor:
     """Truncated-normal (+-3 std) initial state, a pure function of (seed, position): caching cannot change it."""
-    positions = position_ids.expand(like.shape[0], -1)
-    unique = positions.unique()
+    unique, index = position_ids.expand(like.shape[0], -1).unique(return_inverse=True)
     table = torch.empty(len(unique), like.shape[-1], dtype=torch.float32)
     for row, position in enumerate(unique.tolist()):
         generator = torch.Generator().manual_seed(seed * 1_000_003 + position)
         nn.init.trunc_normal_(table[row], mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
-    index = torch.searchsorted(unique, positions)
     return table.to(device=like.device, dtype=like.dtype)[index]
