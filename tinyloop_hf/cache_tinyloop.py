@@ -92,8 +92,8 @@ class TinyLoopKVLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative: drop that many trailing tokens. Positive (transformers < 5.24 style): keep that many."""
-        keep = self.length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove, self.length)
+        """Zero or negative: drop that many trailing tokens. Positive (transformers < 5.24 style): keep that many."""
+        keep = self.length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.length)
         if keep < 0:
             raise ValueError(f"cannot crop {-tokens_to_remove} tokens from a cache holding {self.length}")
         if self.is_initialized:

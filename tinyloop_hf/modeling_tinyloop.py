@@ -183,17 +183,19 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
-        """As transformers' ``from_pretrained``, but a missing or unexpected tensor is an error, not a warning."""
+        """As transformers' ``from_pretrained``, but a missing, unexpected or mis-shaped tensor is an error that
+        names it (transformers only warns about missing ones and initializes them randomly)."""
         wants_info = kwargs.pop("output_loading_info", False)
+        strict = not kwargs.get("ignore_mismatched_sizes", False)
+        kwargs["ignore_mismatched_sizes"] = True  # report shape errors ourselves, with the tensor names
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = {
-            kind: sorted(info.get(kind) or [])
-            for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
-            if info.get(kind)
-        }
+        problems = [f"{kind.replace('_', ' ')}: {sorted(map(str, info[kind]))}"
+                    for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
+        if strict and info.get("mismatched_keys"):
+            problems.append("shape mismatch (tensor, checkpoint shape, model shape): "
+                            + "; ".join(map(str, info["mismatched_keys"])))
         if problems:
-            details = "; ".join(f"{kind}: {keys}" for kind, keys in problems.items())
-            raise ValueError(f"checkpoint does not match the TinyLoop config ({details})")
+            raise ValueError(f"checkpoint does not match its TinyLoop config: {' | '.join(problems)}")
         return (model, info) if wants_info else model
 
 

@@ -1,0 +1,164 @@
+"""tinyloop-convert: every source format, the written directory, remote code, and the errors users meet."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import REFERENCE, byte_tokenizer
+from tinyloop_hf import TinyLoopForCausalLM
+from tinyloop_hf.convert import ConversionError, convert_checkpoint
+from tinyloop_hf.convert.__main__ import main as convert_main
+
+
+def _copy_source(name: str, destination: Path) -> Path:
+    source = destination / name
+    shutil.copytree(REFERENCE / name, source)
+    for path in source.iterdir():
+        path.chmod(0o644)
+    (source / "reference.safetensors").unlink()
+    return source
+
+
+@pytest.fixture(scope="module")
+def converted_ouro(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ouro")
+    source = _copy_source("ouro-tiny", work)
+    byte_tokenizer().save_pretrained(source)
+    assert convert_main([str(source), str(work / "tl")]) == 0
+    return work / "tl"
+
+
+def test_cli_writes_a_complete_directory(converted_ouro, capsys):
+    names = {path.name for path in converted_ouro.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "configuration_tinyloop.py",
+            "modeling_tinyloop.py", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((converted_ouro / "config.json").read_text())
+    assert config["model_type"] == "tinyloop" and config["auto_map"]["AutoModelForCausalLM"]
+    assert config["num_loops"] == 4 and config["exit_gate"] and config["final_norm"] == "every_loop"
+    generation = json.loads((converted_ouro / "generation_config.json").read_text())
+    assert generation["_from_model_config"] is False and generation["eos_token_id"] == 0
+
+
+def test_converted_directory_loads_through_auto_classes_and_matches_reference(converted_ouro):
+    reference = load_file(str(REFERENCE / "ouro-tiny" / "reference.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(converted_ouro)
+    assert isinstance(model, TinyLoopForCausalLM)
+    with torch.no_grad():
+        logits = model(reference["input_ids"], num_loops=2).logits
+    assert (logits - reference["logits_ut2"]).abs().max() <= 1e-4
+    assert AutoTokenizer.from_pretrained(converted_ouro).decode([72, 105]) == "Hi"
+
+
+def test_huginn_converts_with_the_zero_initial_state(tmp_path):
+    source = _copy_source("huginn-tiny", tmp_path)
+    destination = convert_checkpoint(source, tmp_path / "tl", max_loops=40)
+    config = json.loads((destination / "config.json").read_text())
+    assert config["initial_state"] == "zeros" and config["max_loops"] == 40 and config["num_loops"] == 6
+    assert "lm_head.weight" not in load_file(str(destination / "model.safetensors"))  # tied, stored once
+    reference = load_file(str(REFERENCE / "huginn-tiny" / "reference.safetensors"))
+    model = TinyLoopForCausalLM.from_pretrained(destination)
+    with torch.no_grad():
+        assert (model(reference["input_ids"]).logits - reference["logits"]).abs().max() <= 1e-4
+
+
+def test_dtype_is_kept_or_converted_on_request(tmp_path):
+    source = _copy_source("ouro-tiny", tmp_path)
+    destination = convert_checkpoint(source, tmp_path / "bf16", dtype="bfloat16")
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(destination / "model.safetensors")).values())
+    assert TinyLoopForCausalLM.from_pretrained(destination).dtype == torch.bfloat16
+    with pytest.raises(ConversionError, match="dtype must be one of"):
+        convert_checkpoint(source, tmp_path / "x", dtype="int8")
+
+
+def test_missing_source_tensor_is_named(tmp_path):
+    source = _copy_source("ouro-tiny", tmp_path)
+    tensors = load_file(str(source / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(source / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"missing tensors \['model.loop_layers.1.mlp.up_proj.weight'\]"):
+        convert_checkpoint(source, tmp_path / "out")
+
+
+def test_shape_mismatched_source_tensor_is_named(tmp_path):
+    source = _copy_source("ouro-tiny", tmp_path)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, str(source / "model.safetensors"))
+    with pytest.raises(ConversionError, match=r"model.loop_layers.0.self_attn.k_proj.weight: expected \[64, 64\], "
+                                              r"got \[32, 64\]"):
+        convert_checkpoint(source, tmp_path / "out")
+
+
+def test_unknown_architecture_is_refused(tmp_path, capsys):
+    source = _copy_source("ouro-tiny", tmp_path)
+    config = json.loads((source / "config.json").read_text())
+    config["model_type"] = "mamba"
+    (source / "config.json").write_text(json.dumps(config))
+    assert convert_main([str(source), str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "unknown architecture: config.json model_type='mamba'" in error and "'huginn_raven'" in error
+
+
+def test_missing_tensor_at_load_time_is_an_error(converted_ouro, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(converted_ouro, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing keys: \['model.norm.weight'\]"):
+        AutoModelForCausalLM.from_pretrained(broken)
+
+
+def _run_fresh(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf_home")}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=environment, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_fresh_process_loads_with_trust_remote_code_and_generates_the_same(converted_ouro, tmp_path):
+    prompt = [[72, 105, 32, 116, 104, 101]]
+    expected = TinyLoopForCausalLM.from_pretrained(converted_ouro).generate(
+        torch.tensor(prompt), max_new_tokens=12, do_sample=False)
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(converted_ouro)!r}, trust_remote_code=True)\n"
+        "assert 'tinyloop_hf' in sys.modules\n"
+        f"print(model.generate(torch.tensor({prompt}), max_new_tokens=12, do_sample=False).tolist())\n"
+    )
+    result = _run_fresh(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+def test_fresh_process_without_the_package_says_how_to_install(converted_ouro, tmp_path):
+    code = (
+        "import sys\n"
+        "sys.modules['tinyloop_hf'] = None  # as if the package were not installed\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"AutoModelForCausalLM.from_pretrained({str(converted_ouro)!r}, trust_remote_code=True)\n"
+    )
+    result = _run_fresh(code, tmp_path)
+    assert result.returncode != 0
+    assert "pip install tinyloop-hf" in result.stderr
+
+
+def test_save_pretrained_round_trip_keeps_shims_and_weights(converted_ouro, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(converted_ouro, trust_remote_code=True)
+    model.save_pretrained(tmp_path / "again")
+    shim = (tmp_path / "again" / "modeling_tinyloop.py").read_text()
+    assert "from tinyloop_hf import" in shim and len(shim.splitlines()) < 12
+    reloaded = TinyLoopForCausalLM.from_pretrained(tmp_path / "again")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, model(ids).logits)
