@@ -3,4 +3,12 @@
 from .core import build_model, check_state_dict, convert_checkpoint, read_source, source_from_model
 from .formats import FORMATS, ConversionError
 
-__all__ = ["FORMATS", "ConversionError", "build_model", "check_state_dict", "convert_checkpoint", "read_source", "source_from_model"]
+__all__ = [
+    "FORMATS",
+    "ConversionError",
+    "build_model",
+    "check_state_dict",
+    "convert_checkpoint",
+    "read_source",
+    "source_from_model",
+]

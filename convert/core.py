@@ -123,9 +123,11 @@ def check_state_dict(tensors: Tensors, config: TinyLoopConfig) -> None:
         for name in sorted(set(expected) & set(tensors))
         if tuple(tensors[name].shape) != expected[name]
     ]
-    problems = [f"missing tensors {missing}"] * bool(missing) + [f"unexpected tensors {unexpected}"] * bool(
-        unexpected
-    ) + [f"shape mismatch: {'; '.join(wrong_shape)}"] * bool(wrong_shape)
+    problems = (
+        [f"missing tensors {missing}"] * bool(missing)
+        + [f"unexpected tensors {unexpected}"] * bool(unexpected)
+        + [f"shape mismatch: {'; '.join(wrong_shape)}"] * bool(wrong_shape)
+    )
     if problems:
         raise ConversionError("source weights do not fit the converted config: " + " | ".join(problems))
 
@@ -157,8 +159,11 @@ def build_model(source: Source, dtype: torch.dtype | None = None, **overrides: A
 
 def generation_config(source: Source, config: TinyLoopConfig) -> GenerationConfig:
     """The source's generation settings (token ids filled from the config), saved with custom fields kept."""
-    values = {key: value for key, value in (source.generation or {}).items()
-              if not key.startswith("_") and key != "transformers_version"}
+    values = {
+        key: value
+        for key, value in (source.generation or {}).items()
+        if not key.startswith("_") and key != "transformers_version"
+    }
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if values.get(key) is None and getattr(config, key) is not None:
             values[key] = getattr(config, key)

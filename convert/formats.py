@@ -131,8 +131,10 @@ _HUGINN_STAGES = {"prelude": "prelude_layers", "core_block": "loop_layers", "cod
 
 def huginn_config(config: dict[str, Any]) -> dict[str, Any]:
     name = "huginn_raven"
-    _require(config.get("injection_type", "linear") == "linear",
-             f"{name}: injection_type {config.get('injection_type')!r} is not supported (only 'linear')")
+    _require(
+        config.get("injection_type", "linear") == "linear",
+        f"{name}: injection_type {config.get('injection_type')!r} is not supported (only 'linear')",
+    )
     _require(not config.get("bias", False), f"{name}: bias=True is not supported")
     _require(not config.get("test_time_noise", 0), f"{name}: test_time_noise > 0 is not supported")
     hidden = _get(config, "n_embd", name)
@@ -177,16 +179,19 @@ def huginn_tensors(tensors: Tensors, config: dict[str, Any]) -> Tensors:
             continue  # some uploads store the tied head twice
         match = re.match(r"^transformer\.(prelude|core_block|coda)\.(\d+)\.(.+)$", name)
         if match is None:
-            simple = {"transformer.wte.weight": "model.embed_tokens.weight",
-                      "transformer.adapter.weight": "model.injection.weight",
-                      "transformer.ln_f.weight": "model.norm.weight",
-                      "lm_head.weight": "lm_head.weight"}
+            simple = {
+                "transformer.wte.weight": "model.embed_tokens.weight",
+                "transformer.adapter.weight": "model.injection.weight",
+                "transformer.ln_f.weight": "model.norm.weight",
+                "lm_head.weight": "lm_head.weight",
+            }
             converted[simple.get(name, name)] = value
             continue
         stage, index, rest = match.groups()
         prefix = f"model.{_HUGINN_STAGES[stage]}.{index}."
-        converted.update({prefix + key: tensor for key, tensor in _huginn_block(rest, value, heads, kv_heads,
-                                                                                head_dim).items()})
+        converted.update(
+            {prefix + key: tensor for key, tensor in _huginn_block(rest, value, heads, kv_heads, head_dim).items()}
+        )
     return converted
 
 
@@ -198,8 +203,10 @@ def _huginn_block(rest: str, value: torch.Tensor, heads: int, kv_heads: int, hea
         q, k, v = value.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=0)
         return {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v}
     if rest == "attn.qk_bias":  # [2, 1, H, Dh], added to q and k before RoPE = a projection bias
-        _require(value.shape[0] == 2 and value.shape[2] == heads,
-                 f"huginn_raven: attn.qk_bias must be [2, 1, {heads}, {head_dim}], got {list(value.shape)}")
+        _require(
+            value.shape[0] == 2 and value.shape[2] == heads,
+            f"huginn_raven: attn.qk_bias must be [2, 1, {heads}, {head_dim}], got {list(value.shape)}",
+        )
         return {"self_attn.q_proj.bias": value[0].reshape(-1), "self_attn.k_proj.bias": value[1].reshape(-1)}
     if rest == "attn.proj.weight":
         return {"self_attn.o_proj.weight": value}

@@ -41,8 +41,13 @@ def reference_model(source: Source) -> PreTrainedModel | None:
 
 @torch.no_grad()
 def compare(
-    converted: PreTrainedModel, reference: PreTrainedModel, *, prompts: int = 4, length: int = 16,
-    new_tokens: int = 16, seed: int = 0
+    converted: PreTrainedModel,
+    reference: PreTrainedModel,
+    *,
+    prompts: int = 4,
+    length: int = 16,
+    new_tokens: int = 16,
+    seed: int = 0,
 ) -> ParityResult:
     generator = torch.Generator().manual_seed(seed)
     vocab = min(converted.config.vocab_size, reference.config.vocab_size)

@@ -1,6 +1,6 @@
 """Convert an Ouro-format checkpoint once, then use it from plain Hugging Face code.
 
-    python examples/convert_and_load.py /tmp/ouro-tinyloop
+python examples/convert_and_load.py /tmp/ouro-tinyloop
 """
 
 import sys
@@ -19,5 +19,4 @@ destination = convert_checkpoint(FIXTURE, sys.argv[1] if len(sys.argv) > 1 else 
 model = AutoModelForCausalLM.from_pretrained(destination, trust_remote_code=True)
 ids = torch.tensor([[5, 17, 42]])
 print("default depth (4):", model.generate(ids, max_new_tokens=6, do_sample=False).tolist())
-print("exit gate, threshold 0.5:", model.generate(ids, max_new_tokens=6, do_sample=False,
-                                                  exit_threshold=0.5).tolist())
+print("exit gate, threshold 0.5:", model.generate(ids, max_new_tokens=6, do_sample=False, exit_threshold=0.5).tolist())

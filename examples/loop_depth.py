@@ -17,12 +17,14 @@ prompt = torch.tensor([[12, 200, 31, 7, 99]])
 
 for depth in (1, 4, 8):
     tokens = model.generate(prompt, num_loops=depth, max_new_tokens=8, do_sample=False)
-    print(f"num_loops={depth}: {tokens[0, prompt.shape[1]:].tolist()}")
+    print(f"num_loops={depth}: {tokens[0, prompt.shape[1] :].tolist()}")
 
 # One batch, three depths: each row equals running it alone at its own depth.
 batch = prompt.repeat(3, 1)
-print("per-row depths [1, 4, 8]:", model.generate(batch, num_loops=[1, 4, 8], max_new_tokens=8,
-                                                  do_sample=False)[:, prompt.shape[1]:].tolist())
+print(
+    "per-row depths [1, 4, 8]:",
+    model.generate(batch, num_loops=[1, 4, 8], max_new_tokens=8, do_sample=False)[:, prompt.shape[1] :].tolist(),
+)
 
 # The default depth for generate() can live in generation_config (it survives save_pretrained).
 model.generation_config.num_loops = 4

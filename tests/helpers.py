@@ -18,18 +18,44 @@ VOCAB = 256
 VARIANTS: dict[str, dict] = {
     "llama": dict(num_loop_layers=2, num_loops=1, num_key_value_heads=2),
     "ouro": dict(num_loop_layers=2, num_loops=3, block_norm="sandwich", final_norm="every_loop", exit_gate=True),
-    "huginn": dict(num_prelude_layers=1, num_loop_layers=2, num_coda_layers=1, num_loops=3,
-                   block_norm="post_residual", final_norm="before_and_after_coda", input_injection="linear_concat",
-                   attention_bias="qk", rope_layout="interleaved", embedding_scale=4.0, tie_word_embeddings=True),
-    "tinyloop": dict(num_prelude_layers=1, num_loop_layers=1, num_coda_layers=1, num_loops=2,
-                     input_injection="add", initial_state="random", initial_state_std=0.5,
-                     attention_bias="qkv", num_key_value_heads=1, exit_gate=True),
+    "huginn": dict(
+        num_prelude_layers=1,
+        num_loop_layers=2,
+        num_coda_layers=1,
+        num_loops=3,
+        block_norm="post_residual",
+        final_norm="before_and_after_coda",
+        input_injection="linear_concat",
+        attention_bias="qk",
+        rope_layout="interleaved",
+        embedding_scale=4.0,
+        tie_word_embeddings=True,
+    ),
+    "tinyloop": dict(
+        num_prelude_layers=1,
+        num_loop_layers=1,
+        num_coda_layers=1,
+        num_loops=2,
+        input_injection="add",
+        initial_state="random",
+        initial_state_std=0.5,
+        attention_bias="qkv",
+        num_key_value_heads=1,
+        exit_gate=True,
+    ),
 }
 
 
 def tiny_config(variant: str = "ouro", **overrides) -> TinyLoopConfig:
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                max_position_embeddings=128, eos_token_id=None, pad_token_id=0)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     base.update(VARIANTS[variant])
     base.update(overrides)
     return TinyLoopConfig(**base)
@@ -53,8 +79,9 @@ def tiny_model(variant: str = "ouro", seed: int = 0, **overrides) -> TinyLoopFor
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table (what the ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     characters = printable[:]
     extra = 0
     for byte in range(256):
@@ -62,7 +89,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             printable.append(byte)
             characters.append(256 + extra)
             extra += 1
-    return dict(zip(printable, map(chr, characters)))
+    return dict(zip(printable, map(chr, characters), strict=True))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

@@ -65,8 +65,18 @@ def test_round_trip_through_auto_config(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, TinyLoopConfig)
-    for field in ("num_loops", "max_loops", "block_norm", "final_norm", "input_injection", "rope_layout",
-                  "embedding_scale", "num_prelude_layers", "num_coda_layers", "tie_word_embeddings"):
+    for field in (
+        "num_loops",
+        "max_loops",
+        "block_norm",
+        "final_norm",
+        "input_injection",
+        "rope_layout",
+        "embedding_scale",
+        "num_prelude_layers",
+        "num_coda_layers",
+        "tie_word_embeddings",
+    ):
         assert getattr(loaded, field) == getattr(config, field), field
     assert loaded.auto_map["AutoModelForCausalLM"] == "modeling_tinyloop.TinyLoopForCausalLM"
     assert (tmp_path / "configuration_tinyloop.py").exists() and (tmp_path / "modeling_tinyloop.py").exists()

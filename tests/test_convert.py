@@ -40,8 +40,15 @@ def converted_ouro(tmp_path_factory):
 
 def test_cli_writes_a_complete_directory(converted_ouro, capsys):
     names = {path.name for path in converted_ouro.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "configuration_tinyloop.py",
-            "modeling_tinyloop.py", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "configuration_tinyloop.py",
+        "modeling_tinyloop.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     config = json.loads((converted_ouro / "config.json").read_text())
     assert config["model_type"] == "tinyloop" and config["auto_map"]["AutoModelForCausalLM"]
     assert config["num_loops"] == 4 and config["exit_gate"] and config["final_norm"] == "every_loop"
@@ -94,8 +101,11 @@ def test_shape_mismatched_source_tensor_is_named(tmp_path):
     tensors = load_file(str(source / "model.safetensors"))
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(32, 64)
     save_file(tensors, str(source / "model.safetensors"))
-    with pytest.raises(ConversionError, match=r"model.loop_layers.0.self_attn.k_proj.weight: expected \[64, 64\], "
-                                              r"got \[32, 64\]"):
+    with pytest.raises(
+        ConversionError,
+        match=r"model.loop_layers.0.self_attn.k_proj.weight: expected \[64, 64\], "
+        r"got \[32, 64\]",
+    ):
         convert_checkpoint(source, tmp_path / "out")
 
 
@@ -121,14 +131,16 @@ def test_missing_tensor_at_load_time_is_an_error(converted_ouro, tmp_path):
 
 def _run_fresh(code: str, cwd: Path) -> subprocess.CompletedProcess:
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf_home")}
-    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=environment, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=environment, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_fresh_process_loads_with_trust_remote_code_and_generates_the_same(converted_ouro, tmp_path):
     prompt = [[72, 105, 32, 116, 104, 101]]
     expected = TinyLoopForCausalLM.from_pretrained(converted_ouro).generate(
-        torch.tensor(prompt), max_new_tokens=12, do_sample=False)
+        torch.tensor(prompt), max_new_tokens=12, do_sample=False
+    )
     code = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
@@ -162,3 +174,50 @@ def test_save_pretrained_round_trip_keeps_shims_and_weights(converted_ouro, tmp_
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+def test_push_to_hub_uploads_a_loadable_folder_with_shims(monkeypatch, tmp_path):
+    """No hub here: capture the folder push_to_hub would upload and load it in a fresh process."""
+    import transformers.utils.hub as hub
+
+    from helpers import tiny_model
+
+    class _Repo:
+        repo_id = "user/tinyloop-test"
+
+    class _Api:
+        def create_repo(self, *args, **kwargs):
+            return _Repo()
+
+    uploaded = tmp_path / "uploaded"
+
+    def capture(self, folder, *args, **kwargs):
+        shutil.copytree(folder, uploaded)
+
+    monkeypatch.setattr(hub, "hf_api", lambda: _Api())
+    monkeypatch.setattr(
+        hub,
+        "create_and_tag_model_card",
+        lambda *args, **kwargs: type("Card", (), {"save": lambda self, path: Path(path).write_text("card")})(),
+    )
+    monkeypatch.setattr(TinyLoopForCausalLM, "_upload_modified_files", capture)
+    model = tiny_model("huginn")
+    model.generation_config.num_loops = 2
+    model.push_to_hub("user/tinyloop-test")
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "configuration_tinyloop.py",
+        "modeling_tinyloop.py",
+    } <= {path.name for path in uploaded.iterdir()}
+    expected = model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False).tolist()
+    code = (
+        "import torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model = AutoModelForCausalLM.from_pretrained({str(uploaded)!r}, trust_remote_code=True)\n"
+        "print(model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=6, do_sample=False).tolist())\n"
+    )
+    result = _run_fresh(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected

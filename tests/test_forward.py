@@ -15,8 +15,7 @@ IDS = torch.randint(1, 256, (3, 10), generator=torch.Generator().manual_seed(0))
 def test_depth_changes_output_at_runtime(variant):
     model = tiny_model(variant)
     with torch.no_grad():
-        shallow, deep, default = (model(IDS, num_loops=1).logits, model(IDS, num_loops=3).logits,
-                                  model(IDS).logits)
+        shallow, deep, default = (model(IDS, num_loops=1).logits, model(IDS, num_loops=3).logits, model(IDS).logits)
         again = model(IDS, num_loops=model.config.num_loops).logits
     assert not torch.allclose(shallow, deep)
     assert torch.equal(default, again)

@@ -33,11 +33,18 @@ def test_cached_generation_equals_full_forward(variant, lengths, loops, new_toke
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(1, 256, (length,), generator=generator)
-        mask[row, width - length:] = 1
-    output = model.generate(ids, attention_mask=mask, num_loops=loops, max_new_tokens=new_tokens,
-                            min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
-                            output_logits=True)
+        ids[row, width - length :] = torch.randint(1, 256, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    output = model.generate(
+        ids,
+        attention_mask=mask,
+        num_loops=loops,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     step_logits = torch.stack(output.logits, dim=1)  # [B, new, V]
     full_mask = torch.cat([mask, torch.ones(len(lengths), new_tokens, dtype=torch.long)], dim=1)
     with torch.no_grad():

@@ -11,6 +11,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from helpers import VARIANTS, tiny_model
 from tinyloop_hf import TinyLoopCache, TinyLoopForCausalLM
+from tinyloop_hf.compat import GENERATE_CACHE_KEY
 
 PROMPT = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(5))
 
@@ -79,9 +80,10 @@ def test_text_streamer_prints_the_generated_text(tokenizer):
     ids = tokenizer("Loop", return_tensors="pt").input_ids
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        output = model.generate(ids, streamer=TextStreamer(tokenizer, skip_prompt=True), max_new_tokens=8,
-                                do_sample=False, pad_token_id=0)
-    generated = output[0, ids.shape[1]:]
+        output = model.generate(
+            ids, streamer=TextStreamer(tokenizer, skip_prompt=True), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+    generated = output[0, ids.shape[1] :]
     generated = generated[generated != 0]
     assert buffer.getvalue().strip() == tokenizer.decode(generated).strip()
 
@@ -96,8 +98,9 @@ class _StopAfter(StoppingCriteria):
 
 def test_stopping_criteria_and_eos():
     model = tiny_model("ouro")
-    stopped = model.generate(PROMPT, max_new_tokens=20, do_sample=False, stopping_criteria=StoppingCriteriaList(
-        [_StopAfter(9)]))
+    stopped = model.generate(
+        PROMPT, max_new_tokens=20, do_sample=False, stopping_criteria=StoppingCriteriaList([_StopAfter(9)])
+    )
     assert stopped.shape[1] == 9
     free = _greedy(model)
     eos = int(free[0, 8])
@@ -113,11 +116,11 @@ def test_left_padded_batch_equals_each_row_alone(variant):
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for index, row in enumerate(rows):
-        ids[index, width - len(row):], mask[index, width - len(row):] = row, 1
+        ids[index, width - len(row) :], mask[index, width - len(row) :] = row, 1
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     for index, row in enumerate(rows):
         alone = model.generate(row[None], max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        assert torch.equal(batch[index, width:], alone[0, len(row):]), index
+        assert torch.equal(batch[index, width:], alone[0, len(row) :]), index
 
 
 def test_generate_returns_a_tinyloop_cache_that_continues():
@@ -125,15 +128,17 @@ def test_generate_returns_a_tinyloop_cache_that_continues():
     first = model.generate(PROMPT, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     cache = first.past_key_values
     assert isinstance(cache, TinyLoopCache) and cache.get_seq_length() == PROMPT.shape[1] + 4
-    continued = model.generate(first.sequences, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    continued = model.generate(first.sequences, **{GENERATE_CACHE_KEY: cache}, max_new_tokens=5, do_sample=False)
     assert torch.equal(continued, model.generate(PROMPT, max_new_tokens=10, do_sample=False))
 
 
 def test_prompt_lookup_decoding_crops_the_cache_and_stays_greedy():
     model = tiny_model("ouro")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
-    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=12, do_sample=False),
-                       model.generate(ids, max_new_tokens=12, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=12, do_sample=False),
+        model.generate(ids, max_new_tokens=12, do_sample=False),
+    )
 
 
 def test_unsupported_cache_requests_fail_clearly():
@@ -143,7 +148,7 @@ def test_unsupported_cache_requests_fail_clearly():
     with pytest.raises(ValueError, match="cache_implementation='static' is not supported"):
         model.generate(PROMPT, cache_implementation="static", max_new_tokens=2)
     with pytest.raises(TypeError, match="needs a TinyLoopCache"):
-        model.generate(PROMPT, past_key_values=DynamicCache(), max_new_tokens=2)
+        model.generate(PROMPT, **{GENERATE_CACHE_KEY: DynamicCache()}, max_new_tokens=2)
     with pytest.raises(ValueError, match="assistant_early_exit"):
         model.generate(PROMPT, assistant_early_exit=1, max_new_tokens=2)
     with pytest.raises(ValueError, match="num_loops must be"):

@@ -41,10 +41,10 @@ def test_text_generation_pipeline_batched_and_with_loops(tokenizer):
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     prompts = ["Once", "A longer prompt here"]
     outputs = generator(prompts, max_new_tokens=6, batch_size=2, num_loops=2, return_full_text=False)
-    for prompt, output in zip(prompts, outputs):
+    for prompt, output in zip(prompts, outputs, strict=True):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         alone = model.generate(ids, max_new_tokens=6, num_loops=2, pad_token_id=0)
-        assert output[0]["generated_text"] == tokenizer.decode(alone[0, ids.shape[1]:], skip_special_tokens=True)
+        assert output[0]["generated_text"] == tokenizer.decode(alone[0, ids.shape[1] :], skip_special_tokens=True)
     deeper = generator(prompts[1], max_new_tokens=6, num_loops=3, return_full_text=False)
     assert deeper[0]["generated_text"] != outputs[1][0]["generated_text"]
 
@@ -64,12 +64,12 @@ def test_hflm_loglikelihood_and_generate_until(converted):
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2, max_length=256, backend="causal")
     pairs = [("Question: What is two plus two?\nAnswer:", " four"), ("The sky is", " blue")]
     requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)]
-    for (context, continuation), (score, _) in zip(pairs, lm.loglikelihood(requests)):
+    for (context, continuation), (score, _) in zip(pairs, lm.loglikelihood(requests), strict=True):
         assert score == pytest.approx(_loglikelihood(model, tokenizer, context, continuation, 2), abs=1e-4)
     request = Instance("generate_until", {}, ("Hello", {"until": ["\n"], "max_gen_toks": 6, "do_sample": False}), 0)
     (text,) = lm.generate_until([request])
     ids = tokenizer("Hello", return_tensors="pt").input_ids
-    expected = tokenizer.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:])
+    expected = tokenizer.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :])
     assert text == expected.split("\n")[0]
 
 
@@ -79,8 +79,12 @@ def test_simple_evaluate_on_the_offline_tasks(converted):
 
     model = TinyLoopForCausalLM.from_pretrained(converted)
     lm = HFLM(pretrained=model, tokenizer=byte_tokenizer(), batch_size=4, max_length=256, backend="causal")
-    results = simple_evaluate(model=lm, tasks=["tinyloop_mc", "tinyloop_gen", "tinyloop_ppl"],
-                              task_manager=TaskManager(include_path=str(TASKS_DIR)), gen_kwargs="num_loops=2")
+    results = simple_evaluate(
+        model=lm,
+        tasks=["tinyloop_mc", "tinyloop_gen", "tinyloop_ppl"],
+        task_manager=TaskManager(include_path=str(TASKS_DIR)),
+        gen_kwargs="num_loops=2",
+    )
     assert 0.0 <= results["results"]["tinyloop_mc"]["acc,none"] <= 1.0
     assert "exact_match,strip" in results["results"]["tinyloop_gen"]
     assert results["results"]["tinyloop_ppl"]["byte_perplexity,none"] > 1.0
@@ -90,14 +94,34 @@ def test_lm_eval_command_line_with_trust_remote_code(converted, tmp_path):
     """The CLI never imports tinyloop_hf itself: it loads the checkpoint's auto_map shims."""
     output = tmp_path / "results"
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    command = [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-               f"pretrained={converted},trust_remote_code=True,dtype=float32,num_loops=2",
-               "--tasks", "tinyloop_mc", "--include_path", str(TASKS_DIR), "--device", "cpu", "--batch_size", "4",
-               "--output_path", str(output), "--log_samples"]
+    command = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={converted},trust_remote_code=True,dtype=float32,num_loops=2",
+        "--tasks",
+        "tinyloop_mc",
+        "--include_path",
+        str(TASKS_DIR),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        str(output),
+        "--log_samples",
+    ]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    samples = [json.loads(line) for path in Path(output).rglob("samples_tinyloop_mc_*.jsonl")
-               for line in path.read_text().splitlines()]
+    samples = [
+        json.loads(line)
+        for path in Path(output).rglob("samples_tinyloop_mc_*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     assert len(samples) == 12
     model = TinyLoopForCausalLM.from_pretrained(converted)
     tokenizer = byte_tokenizer()

@@ -70,8 +70,15 @@ def test_ouro_exit_gate_distribution_and_threshold(ouro):
 @pytest.mark.parametrize("loops", [1, 2, 3, 4, 6])
 def test_ouro_greedy_generation(ouro, loops):
     model, reference = ouro
-    output = model.generate(reference["prompt_ids"], num_loops=loops, max_new_tokens=16, do_sample=False,
-                            eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    output = model.generate(
+        reference["prompt_ids"],
+        num_loops=loops,
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     assert torch.equal(output.sequences, reference[f"greedy_tokens_ut{loops}"])
     assert _max_diff(torch.stack(output.logits, 1), reference[f"greedy_logits_ut{loops}"]) <= GREEDY_STEP_TOLERANCE
 
@@ -99,7 +106,13 @@ def test_huginn_default_depth_and_latent_state(huginn):
 def test_huginn_greedy_generation(huginn, steps):
     model, reference = huginn
     suffix = "" if steps is None else f"_steps{steps}"
-    output = model.generate(reference["prompt_ids"], num_loops=steps, max_new_tokens=16, do_sample=False,
-                            return_dict_in_generate=True, output_logits=True)
+    output = model.generate(
+        reference["prompt_ids"],
+        num_loops=steps,
+        max_new_tokens=16,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     assert torch.equal(output.sequences, reference[f"greedy_tokens{suffix}"])
     assert _max_diff(torch.stack(output.logits, 1), reference[f"greedy_logits{suffix}"]) <= GREEDY_STEP_TOLERANCE

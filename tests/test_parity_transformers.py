@@ -9,13 +9,24 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.convert import convert_checkpoint
 
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              max_position_embeddings=256, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
+)
 CASES = {
     "llama-gqa": (LlamaForCausalLM, LlamaConfig(**COMMON, num_key_value_heads=2, rope_theta=500000.0)),
     "llama-tied-mha": (LlamaForCausalLM, LlamaConfig(**COMMON, num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=2, rope_theta=1e6,
-                                            tie_word_embeddings=False)),
+    "qwen2": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**COMMON, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False),
+    ),
     "qwen2-tied": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=1, tie_word_embeddings=True)),
 }
 

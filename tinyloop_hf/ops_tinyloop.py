@@ -76,9 +76,7 @@ def rope_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> tupl
 
 
 @register_op("rope", REFERENCE)
-def rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str
-) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """Rotate x [B, H, S, D] by per-position angles (cos/sin [B, S, D/2]); math in fp32, result in x.dtype.
 
     "rotate_half" pairs dim i with i + D/2 (Llama, Ouro); "interleaved" pairs 2i with 2i + 1 (Huginn).
