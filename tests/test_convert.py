@@ -221,3 +221,16 @@ def test_push_to_hub_uploads_a_loadable_folder_with_shims(monkeypatch, tmp_path)
     result = _run_fresh(code, tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_base_model_loads_from_a_causal_lm_checkpoint(converted_ouro):
+    from transformers import AutoModel
+
+    from tinyloop_hf import TinyLoopModel
+
+    base = AutoModel.from_pretrained(converted_ouro)
+    full = TinyLoopForCausalLM.from_pretrained(converted_ouro)
+    assert isinstance(base, TinyLoopModel)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        assert torch.equal(base(ids).last_hidden_state, full.model(ids).last_hidden_state)

@@ -188,3 +188,18 @@ def test_bf16_runs_and_stays_close():
         low = model.to(torch.bfloat16)(IDS).logits
     assert low.dtype == torch.bfloat16
     assert (low.float() - reference).abs().max().item() < 0.5
+
+
+@pytest.mark.parametrize("variant", ["ouro", "huginn"])
+def test_resize_token_embeddings_keeps_old_rows(variant):
+    model = tiny_model(variant)
+    with torch.no_grad():
+        before = model(IDS).logits
+    model.resize_token_embeddings(300)
+    assert model.get_input_embeddings().weight.shape[0] == 300 and model.lm_head.weight.shape[0] == 300
+    assert model.config.vocab_size == 300
+    with torch.no_grad():
+        after = model(IDS).logits
+    assert torch.allclose(after[..., :256], before, atol=1e-5)
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

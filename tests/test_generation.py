@@ -155,3 +155,12 @@ def test_unsupported_cache_requests_fail_clearly():
         model.generate(PROMPT, num_loops=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="not used by the model"):
         model.generate(PROMPT, num_loopz=2, max_new_tokens=2)
+
+
+def test_per_row_loops_survive_beam_expansion():
+    model = tiny_model("huginn")
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(num_beams=3, num_return_sequences=2, max_new_tokens=6, do_sample=False)
+    together = model.generate(ids, num_loops=[1, 3], **kwargs)
+    assert torch.equal(together[:2], model.generate(ids[:1], num_loops=1, **kwargs))
+    assert torch.equal(together[2:], model.generate(ids[1:], num_loops=3, **kwargs))

@@ -164,6 +164,8 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TinyLoopBlock"]
     _supports_sdpa = True
     _can_compile_fullgraph = False
+    # Checkpoint tensors this class may leave unused (the base model loaded from a causal-LM checkpoint).
+    _unused_checkpoint_prefixes: tuple[str, ...] = ()
 
     @classmethod
     def register_for_auto_class(cls, auto_class: Any = "AutoModel") -> None:
@@ -189,11 +191,12 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         strict = not kwargs.get("ignore_mismatched_sizes", False)
         kwargs["ignore_mismatched_sizes"] = True  # report shape errors ourselves, with the tensor names
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        problems = [
-            f"{kind.replace('_', ' ')}: {sorted(map(str, info[kind]))}"
-            for kind in ("missing_keys", "unexpected_keys")
-            if info.get(kind)
+        unexpected = [
+            key for key in info.get("unexpected_keys") or [] if not key.startswith(cls._unused_checkpoint_prefixes)
         ]
+        problems = [f"missing keys: {sorted(info['missing_keys'])}"] if info.get("missing_keys") else []
+        if unexpected:
+            problems.append(f"unexpected keys: {sorted(unexpected)}")
         if strict and info.get("mismatched_keys"):
             problems.append(
                 "shape mismatch (tensor, checkpoint shape, model shape): "
@@ -205,6 +208,8 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
 
 
 class TinyLoopModel(TinyLoopPreTrainedModel):
+    _unused_checkpoint_prefixes = ("lm_head.",)
+
     def __init__(self, config: TinyLoopConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -217,12 +222,6 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         if config.exit_gate:
             self.exit_gate = TinyLoopLinear(config.hidden_size, 1, bias=True)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     def forward(
         self,
@@ -258,6 +257,8 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         for index, layer in enumerate(self.prelude_layers):
             hidden = layer(hidden, context, _slot(cache, "prelude", index))
         threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
+        if threshold is not None and not self.config.exit_gate:
+            raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
         keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
         state, states, gates = self._run_loops(hidden, context, total_loops, loops_per_row, position_ids, keep_states)
 
@@ -265,8 +266,6 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         if exit_at_step is not None:
             state = states[exit_at_step]
         elif threshold is not None:
-            if probabilities is None:
-                raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
             state = select_states(states, threshold_exit_steps(probabilities, threshold, loops_per_row))
         last_hidden = self.finish(state, context)
 
@@ -338,18 +337,6 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         self.model = TinyLoopModel(config)
         self.lm_head = TinyLoopLinear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Module) -> None:
-        self.lm_head = value
 
     def forward(
         self,
