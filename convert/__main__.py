@@ -1,15 +1,27 @@
-"""tinyloop-convert SRC DST: turn an Ouro / Huginn / Llama / Qwen2 checkpoint into a TinyLoop checkpoint."""
+"""tinyloop-convert SRC DST: turn an Ouro / Huginn / Llama / Qwen2 / TinyLoop checkpoint into a TinyLoop
+checkpoint, optionally quantized, and print a parity or quality report."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
+from pathlib import Path
 
-from tinyloop_hf import TinyLoopForCausalLM
+import torch
+from transformers import AutoTokenizer
 
-from .core import DTYPES, convert_checkpoint, read_source
+from tinyloop_hf import TinyLoopForCausalLM, TinyLoopQuantConfig
+
+from .core import DTYPES, convert_model, read_source, write_checkpoint
 from .formats import FORMATS, ConversionError
 from .parity import compare, reference_model
+from .quantize import quantize_model
+from .report import calibration_windows, format_table, text_windows
+from .report import compare as compare_quality
+
+COMPONENT_FLAGS = {"prelude": "prelude_bits", "loop": "loop_bits", "coda": "coda_bits", "lm_head": "head_bits"}
+BITS = [16, 8, 4, 3, 2]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,42 +40,136 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["zeros", "random"],
         help="loop state before the first pass (models with input injection; default zeros)",
     )
+    quant = parser.add_argument_group("quantization")
+    quant.add_argument("--bits", type=int, choices=BITS, default=16, help="weight bits (16 = not quantized)")
+    quant.add_argument(
+        "--group-size",
+        default="128",
+        choices=["32", "64", "128", "channel"],
+        help="columns per scale (channel = one scale per output row)",
+    )
+    quant.add_argument("--symmetric", action="store_true", help="fixed midpoint instead of a zero point per group")
+    quant.add_argument("--scale-dtype", choices=["float16", "bfloat16"], default="float16")
+    quant.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
+    quant.add_argument("--calib", help="text file for GPTQ calibration")
+    quant.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
+    quant.add_argument("--calib-length", type=int, default=256, help="tokens per calibration window")
+    for component, dest in COMPONENT_FLAGS.items():
+        quant.add_argument(
+            f"--{component.replace('_', '-')}-bits",
+            dest=dest,
+            type=int,
+            choices=BITS,
+            help=f"bits for the {component} (default: --bits; lm_head: 16)",
+        )
+    quant.add_argument("--eval-text", help="held-out text for the quality report (perplexity, KL, top-1)")
+    quant.add_argument("--eval-windows", type=int, default=32, help="windows of held-out text to score")
+    quant.add_argument("--report-depths", type=int, nargs="+", help="loop depths to report (default: 1 .. default)")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where quantization and the report run"
+    )
     parser.add_argument("--no-parity", action="store_true", help="skip the parity report")
     return parser.parse_args(argv)
+
+
+def quantization_config(args: argparse.Namespace) -> TinyLoopQuantConfig | None:
+    """The requested quantization, or None when every component stays at 16 bits."""
+    components = {
+        component: {"bits": bits}
+        for component, dest in COMPONENT_FLAGS.items()
+        if (bits := getattr(args, dest)) is not None
+    }
+    if components.get("lm_head", {}).get("bits") == 8:
+        components["lm_head"]["group_size"] = None  # an INT8 head is per output channel
+    config = TinyLoopQuantConfig(
+        bits=args.bits,
+        group_size=None if args.group_size == "channel" else int(args.group_size),
+        symmetric=args.symmetric,
+        scale_dtype=args.scale_dtype,
+        components=components,
+        method=args.method,
+    )
+    return config if config.quantizes_anything() else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        destination = convert_checkpoint(
-            args.src,
-            args.dst,
-            gguf_file=args.gguf_file,
-            dtype=args.dtype,
-            num_loops=args.num_loops,
-            max_loops=args.max_loops,
-            initial_state=args.initial_state,
-        )
+        return _run(args)
     except (ConversionError, ValueError) as error:
         print(f"tinyloop-convert: error: {error}", file=sys.stderr)
         return 2
-    model = TinyLoopForCausalLM.from_pretrained(destination)
-    config = model.config
-    print(
-        f"wrote {destination}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"prelude/loop/coda = {config.num_prelude_layers}/{config.num_loop_layers}/{config.num_coda_layers}, "
-        f"num_loops {config.num_loops} (max {config.max_loops}), dtype {config.dtype}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    quantization = quantization_config(args)
+    source = read_source(args.src, args.gguf_file)
+    model = convert_model(
+        source, args.dtype, num_loops=args.num_loops, max_loops=args.max_loops, initial_state=args.initial_state
     )
-    if not args.no_parity:
-        reference = reference_model(read_source(args.src, args.gguf_file))
-        if reference is None:
-            print(
-                "parity: no implementation of this format ships with transformers; the package's tests compare "
-                "it with recorded reference outputs (tests/test_parity_reference.py)"
+    tokenizer = _tokenizer(args) if (args.calib or args.eval_text) else None
+    reference = None
+    if quantization is not None:
+        calibration = None
+        if quantization.method == "gptq":
+            if not args.calib:
+                raise ConversionError("--method gptq needs --calib FILE (text to calibrate on)")
+            calibration = calibration_windows(
+                tokenizer, Path(args.calib).read_text(), args.calib_samples, args.calib_length
             )
-        else:
-            print(compare(model, reference).table())
+        reference = copy.deepcopy(model) if args.eval_text else None
+        model = quantize_model(model.to(args.device), quantization, calibration).cpu()
+    destination = write_checkpoint(model, args.dst, args.src, args.gguf_file)
+    model = TinyLoopForCausalLM.from_pretrained(destination)
+    _summary(model, destination, quantization)
+    if reference is not None:
+        windows = text_windows(
+            tokenizer,
+            Path(args.eval_text).read_text(),
+            min(512, model.config.max_position_embeddings),
+            args.eval_windows,
+        )
+        depths = args.report_depths or sorted(
+            {1, 2, model.config.num_loops} & set(range(1, model.config.max_loops + 1))
+        )
+        rows = compare_quality(reference.to(args.device), model.to(args.device), windows, depths)
+        print(
+            format_table(rows, f"quality vs unquantized ({quantization.describe()}; {windows.numel()} held-out tokens)")
+        )
+    elif quantization is not None:
+        print("quality report: pass --eval-text FILE (held-out text) to measure it")
+    elif not args.no_parity:
+        _parity(model, source)
     return 0
+
+
+def _tokenizer(args: argparse.Namespace):
+    try:
+        return AutoTokenizer.from_pretrained(args.src, gguf_file=args.gguf_file)
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"--calib/--eval-text need a tokenizer in SRC: {error}") from None
+
+
+def _summary(model: TinyLoopForCausalLM, destination: Path, quantization: TinyLoopQuantConfig | None) -> None:
+    config = model.config
+    size = sum(path.stat().st_size for path in destination.glob("*.safetensors")) / 2**20
+    print(
+        f"wrote {destination}: {size:.1f} MiB of weights, prelude/loop/coda = {config.num_prelude_layers}/"
+        f"{config.num_loop_layers}/{config.num_coda_layers}, num_loops {config.num_loops} (max {config.max_loops}), "
+        f"dtype {config.dtype}"
+        + (f", quantized: {quantization.describe()} ({quantization.method})" if quantization else "")
+    )
+
+
+def _parity(model: TinyLoopForCausalLM, source) -> None:
+    reference = reference_model(source)
+    if reference is None:
+        print(
+            "parity: no implementation of this format ships with transformers; the package's tests compare "
+            "it with recorded reference outputs (tests/test_parity_reference.py)"
+        )
+    else:
+        print(compare(model, reference).table())
 
 
 if __name__ == "__main__":

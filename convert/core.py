@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import save_torch_state_dict
 from safetensors import safe_open
 from transformers import GenerationConfig
 
-from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM
+from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopQuantConfig
 from tinyloop_hf.ops_tinyloop import rope_angles
 
 from .formats import ConversionError, SourceFormat, Tensors, source_format
+from .quantize import quantize_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -178,34 +178,44 @@ def convert_checkpoint(
     *,
     gguf_file: str | None = None,
     dtype: str | None = None,
+    quantization: TinyLoopQuantConfig | None = None,
+    calibration: torch.Tensor | None = None,
+    device: str = "cpu",
+    progress: bool = True,
     **overrides: Any,
 ) -> Path:
-    """Convert SRC (Ouro / Huginn / Llama / Qwen2 directory, or a GGUF file in it) into a TinyLoop directory.
+    """Convert SRC (Ouro / Huginn / Llama / Qwen2 / TinyLoop directory, or a GGUF file in it) into DST.
 
-    ``overrides`` set TinyLoopConfig fields (e.g. ``max_loops=32``, ``initial_state="random"``).
+    ``overrides`` set TinyLoopConfig fields (e.g. ``max_loops=32``, ``initial_state="random"``);
+    ``quantization`` packs the weights (GPTQ needs ``calibration`` token ids [n, T]).
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    source = read_source(src, gguf_file)
-    config = tinyloop_config(source, **overrides)
-    tensors = convert_tensors(source, config, DTYPES.get(dtype) if dtype else None)
-    config.dtype = next(iter(tensors.values())).dtype
+    model = convert_model(read_source(src, gguf_file), dtype=dtype, **overrides)
+    if quantization is not None:
+        model = quantize_model(model.to(device), quantization, calibration, progress=progress).cpu()
+    return write_checkpoint(model, dst, src, gguf_file)
+
+
+def write_checkpoint(model: TinyLoopForCausalLM, dst: str | Path, src: str | Path, gguf_file: str | None) -> Path:
+    """save_pretrained (weights, config with auto_map, generation config, shims) plus the source's tokenizer."""
     destination = Path(dst)
-    destination.mkdir(parents=True, exist_ok=True)
-    save_torch_state_dict(tensors, destination)
-    config.architectures = ["TinyLoopForCausalLM"]
-    config.save_pretrained(destination)
-    generation_config(source, config).save_pretrained(destination)
-    _copy_tokenizer(source, destination)
+    model.config.architectures = ["TinyLoopForCausalLM"]
+    model.save_pretrained(destination)
+    _copy_tokenizer(Path(src), gguf_file, destination)
     return destination
 
 
-def _copy_tokenizer(source: Source, destination: Path) -> None:
-    if source.gguf_file is not None:
+def convert_model(source: Source, dtype: str | None = None, **overrides: Any) -> TinyLoopForCausalLM:
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return build_model(source, DTYPES.get(dtype) if dtype else None, **overrides)
+
+
+def _copy_tokenizer(directory: Path, gguf_file: str | None, destination: Path) -> None:
+    if gguf_file is not None:
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(destination)
+        AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file).save_pretrained(destination)
         return
     for name in TOKENIZER_FILES:
-        if (source.directory / name).exists():
-            shutil.copy2(source.directory / name, destination / name)
+        if (directory / name).exists():
+            shutil.copy2(directory / name, destination / name)

@@ -219,6 +219,34 @@ def _huginn_block(rest: str, value: torch.Tensor, heads: int, kv_heads: int, hea
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# TinyLoop itself (re-conversion: quantize, change dtype or loop limits)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_HF_BOOKKEEPING = (
+    "model_type",
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "num_hidden_layers",
+    "_name_or_path",
+)
+
+
+def tinyloop_config(config: dict[str, Any]) -> dict[str, Any]:
+    _require(
+        "quantization_config" not in config,
+        "tinyloop: the source is already quantized; convert from the unquantized checkpoint",
+    )
+    return {key: value for key, value in config.items() if key not in _HF_BOOKKEEPING}
+
+
+def tinyloop_tensors(tensors: Tensors, config: dict[str, Any]) -> Tensors:
+    return dict(tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -234,6 +262,7 @@ FORMATS: dict[str, SourceFormat] = {
     "qwen2": SourceFormat("qwen2", llama_config, llama_tensors, True),
     "ouro": SourceFormat("ouro", ouro_config, ouro_tensors, False),
     "huginn_raven": SourceFormat("huginn_raven", huginn_config, huginn_tensors, False),
+    "tinyloop": SourceFormat("tinyloop", tinyloop_config, tinyloop_tensors, False),
 }
 
 
@@ -241,7 +270,6 @@ def source_format(config: dict[str, Any]) -> SourceFormat:
     model_type = config.get("model_type")
     if model_type not in FORMATS:
         raise ConversionError(
-            f"unknown architecture: config.json model_type={model_type!r}; supported: {sorted(FORMATS)} "
-            f"(and 'tinyloop' checkpoints, which need no conversion)"
+            f"unknown architecture: config.json model_type={model_type!r}; supported: {sorted(FORMATS)}"
         )
     return FORMATS[model_type]

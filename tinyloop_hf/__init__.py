@@ -10,6 +10,8 @@ from .cache_tinyloop import TinyLoopCache
 from .configuration_tinyloop import TinyLoopConfig
 from .modeling_tinyloop import TinyLoopForCausalLM, TinyLoopModel
 from .ops_tinyloop import get_op, register_op
+from .quant_tinyloop import QuantFormat, QuantLinear
+from .quantizer_tinyloop import TinyLoopQuantConfig  # also registers the "tinyloop" quantizer with transformers
 
 __version__ = "0.1.0"
 
@@ -18,10 +20,13 @@ AutoModel.register(TinyLoopConfig, TinyLoopModel, exist_ok=True)
 AutoModelForCausalLM.register(TinyLoopConfig, TinyLoopForCausalLM, exist_ok=True)
 
 __all__ = [
+    "QuantFormat",
+    "QuantLinear",
     "TinyLoopCache",
     "TinyLoopConfig",
     "TinyLoopForCausalLM",
     "TinyLoopModel",
+    "TinyLoopQuantConfig",
     "get_op",
     "register_op",
 ]

@@ -1,0 +1,270 @@
+"""Low-bit weight formats (INT8 / INT4 / INT3 / INT2), their packing, and QuantLinear.
+
+Layout of a QuantLinear with ``out_features = N`` rows and ``in_features = K`` columns (the checkpoint layout is
+the kernel layout; nothing is repacked after loading):
+
+* ``w = (q - z) * s`` per group of ``g`` consecutive columns of a row. ``q`` is the unsigned code in
+  ``[0, 2^b)``; ``z`` is an integer zero point (``zeros``, uint8 [N, K/g]) for asymmetric formats and the fixed
+  midpoint ``2^(b-1)`` for symmetric ones; ``s`` is ``scales`` [N, K/g] in fp16 or bf16. In fp32 the product is
+  exact, so dequantization has one rounding: the final cast to the activation dtype.
+* ``qweight`` int32 [N, K*b/32] for b in {2, 4, 8}. Word ``w`` of row ``n`` holds the 32/b consecutive columns
+  starting at ``w * 32/b``. The even-indexed of those columns fill bits 0-15 in ascending order and the odd-indexed
+  ones bits 16-31, so masking one field per 16-bit half yields two *adjacent* columns as a half2 pair
+  (INT4: nibbles [k0 k2 k4 k6 | k1 k3 k5 k7], the FasterTransformer/Marlin order; INT8: PRMT selectors
+  0x5250/0x5351 give (k0, k1)/(k2, k3); INT2: masks 0x00030003 << 2i). A lane's 16-byte load is 4 words:
+  32 INT4, 16 INT8 or 64 INT2 consecutive columns of one row; rows are contiguous, so a warp reads 512 bytes.
+* INT3 is two bit-planes: ``qweight`` holds the low 2 bits in the INT2 layout ([N, K/16]) and ``qweight_high``
+  int32 [N, K/32] the third bit in the same even/odd order (bit j of the low half is column 2j of the word's 32).
+  Both planes keep the 16-byte load property.
+* Requirements: K is a multiple of the group size and of 32; group_size is 32, 64, 128 or None (one group per row,
+  "per output channel").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ops_tinyloop import REFERENCE, get_op, register_op
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128, None)
+SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int
+    group_size: int | None = 128  # None: one group per output row
+    symmetric: bool = False
+    scale_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"quantization bits must be one of {list(SUPPORTED_BITS)}, got {self.bits!r}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"quantization group_size must be one of {list(SUPPORTED_GROUP_SIZES)} (None = per output channel), "
+                f"got {self.group_size!r}"
+            )
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(
+                f"quantization scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}"
+            )
+
+    @property
+    def max_code(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def midpoint(self) -> int:
+        return 2 ** (self.bits - 1)
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size is None else self.group_size
+
+    def check_shape(self, in_features: int, name: str = "layer") -> None:
+        if in_features % 32 or in_features % self.group_width(in_features):
+            raise ValueError(
+                f"{name}: in_features={in_features} must be a multiple of 32 and of group_size={self.group_size}"
+            )
+
+    def tensor_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of every tensor a QuantLinear of this format stores."""
+        groups = self.groups(in_features)
+        low_bits = 2 if self.bits == 3 else self.bits
+        shapes = {
+            "qweight": ((out_features, in_features * low_bits // 32), torch.int32),
+            "scales": ((out_features, groups), SCALE_DTYPES[self.scale_dtype]),
+        }
+        if self.bits == 3:
+            shapes["qweight_high"] = ((out_features, in_features // 32), torch.int32)
+        if not self.symmetric:
+            shapes["zeros"] = ((out_features, groups), torch.uint8)
+        return shapes
+
+    def bits_per_weight(self, in_features: int) -> float:
+        scale_bits = 16 + (0 if self.symmetric else 8)
+        return self.bits + scale_bits / self.group_width(in_features)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Packing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _field_order(per_word: int) -> torch.Tensor:
+    """Column offsets in field order: even columns, then odd ones (each half of the word in ascending order)."""
+    return torch.cat((torch.arange(0, per_word, 2), torch.arange(1, per_word, 2)))
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint codes [N, K] (< 2^bits, bits in 1, 2, 4, 8) -> int32 words [N, K*bits/32] in the documented order."""
+    per_word = 32 // bits
+    rows, columns = codes.shape
+    fields = codes.to(torch.int64).reshape(rows, columns // per_word, per_word)[..., _field_order(per_word)]
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = (fields << shifts).sum(-1)  # < 2^32, exact in int64
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_codes: int32 [N, W] -> int64 codes [N, W*32/bits]."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64, device=words.device) * bits
+    fields = (words.to(torch.int64)[..., None] >> shifts) & (2**bits - 1)  # [N, W, per_word], field order
+    codes = torch.empty_like(fields)
+    codes[..., _field_order(per_word).to(words.device)] = fields
+    return codes.flatten(-2)
+
+
+@dataclass
+class PackedWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None = None
+    qweight_high: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: QuantFormat) -> PackedWeight:
+    """codes [N, K] in [0, 2^b), scales [N, G] (already in the scale dtype), zeros [N, G] ints or None."""
+    if fmt.bits == 3:
+        qweight, high = pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)
+    else:
+        qweight, high = pack_codes(codes, fmt.bits), None
+    zeros = None if fmt.symmetric else zeros.to(torch.uint8)
+    return PackedWeight(qweight, scales, zeros, high)
+
+
+def unpack(packed: PackedWeight, fmt: QuantFormat) -> torch.Tensor:
+    """int64 codes [N, K]."""
+    if fmt.bits == 3:
+        return unpack_codes(packed.qweight, 2) | (unpack_codes(packed.qweight_high, 1) << 2)
+    return unpack_codes(packed.qweight, fmt.bits)
+
+
+def dequantize(packed: PackedWeight, fmt: QuantFormat) -> torch.Tensor:
+    """w = (q - z) * s, exact in fp32: [N, K]."""
+    codes = unpack(packed, fmt)
+    rows, columns = codes.shape
+    zero = fmt.midpoint if fmt.symmetric else packed.zeros.to(torch.int64)[..., None]
+    centered = (codes.reshape(rows, -1, fmt.group_width(columns)) - zero).to(torch.float32)
+    return (centered * packed.scales.to(torch.float32)[..., None]).reshape(rows, columns)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Round-to-nearest grid (also used by GPTQ for its group parameters)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def group_parameters(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (rounded to the stored dtype, as fp32) and integer zero point per row of ``weight`` [N, g].
+
+    Symmetric: s = 2 max|w| / (2^b - 1), z = 2^(b-1). Asymmetric: the range is widened to include 0, then
+    s = (max - min) / (2^b - 1), z = round(-min / s). An all-zero group gets s = 1.
+    """
+    weight = weight.float()
+    if fmt.symmetric:
+        scale = 2 * weight.abs().amax(-1) / fmt.max_code
+    else:
+        low, high = weight.amin(-1).clamp(max=0), weight.amax(-1).clamp(min=0)
+        scale = (high - low) / fmt.max_code
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = scale.to(SCALE_DTYPES[fmt.scale_dtype]).to(torch.float32)
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float16).tiny))  # underflow
+    if fmt.symmetric:
+        zero = torch.full_like(scale, fmt.midpoint)
+    else:
+        zero = torch.round(-low / scale).clamp(0, fmt.max_code)
+    return scale, zero
+
+
+def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Nearest code for ``weight`` [N, g] with per-row ``scale``/``zero`` [N]."""
+    return torch.clamp(torch.round(weight.float() / scale[:, None]) + zero[:, None], 0, fmt.max_code)
+
+
+def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
+    """Round-to-nearest quantization of ``weight`` [N, K]."""
+    rows, columns = weight.shape
+    fmt.check_shape(columns)
+    width = fmt.group_width(columns)
+    grouped = weight.float().reshape(rows * (columns // width), width)
+    scale, zero = group_parameters(grouped, fmt)
+    codes = quantize_codes(grouped, scale, zero, fmt).to(torch.int64).reshape(rows, columns)
+    scales = scale.reshape(rows, -1).to(SCALE_DTYPES[fmt.scale_dtype])
+    return pack(codes, scales, zero.reshape(rows, -1).to(torch.int64), fmt)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# QuantLinear
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@register_op("quant_linear", REFERENCE)
+def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """y = x dequantize(W)^T + b: exactly F.linear on the dequantized weight cast to x.dtype."""
+    weight = dequantize(layer.packed(), layer.format).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, layer.bias)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with packed low-bit weights (see the module docstring for the layout)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat, name: str = "") -> None:
+        super().__init__()
+        fmt.check_shape(in_features, name or "QuantLinear")
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        for tensor_name, (shape, dtype) in fmt.tensor_shapes(out_features, in_features).items():
+            self.register_buffer(tensor_name, torch.zeros(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.op_backend = REFERENCE
+
+    def packed(self) -> PackedWeight:
+        return PackedWeight(
+            self.qweight, self.scales, getattr(self, "zeros", None), getattr(self, "qweight_high", None)
+        )
+
+    def load_packed(self, packed: PackedWeight) -> None:
+        for name, value in packed.tensors().items():
+            expected = getattr(self, name)
+            if value.shape != expected.shape or value.dtype != expected.dtype:
+                raise ValueError(
+                    f"packed tensor {name}: expected {list(expected.shape)} {expected.dtype}, "
+                    f"got {list(value.shape)} {value.dtype}"
+                )
+            setattr(self, name, value.to(expected.device))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize(self.packed(), self.format)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return get_op("quant_linear", self.op_backend)(x, self)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+        # model.to(dtype) must not re-round the stored scales: keep their dtype, follow only the device move.
+        scales = self.scales
+        super()._apply(fn, recurse)
+        if self.scales.dtype != scales.dtype:
+            self.scales = scales.to(self.scales.device)
+        return self
+
+    def extra_repr(self) -> str:
+        fmt = self.format
+        kind = "sym" if fmt.symmetric else "asym"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={fmt.bits}, "
+            f"group_size={fmt.group_size}, {kind}, scales={fmt.scale_dtype}"
+        )

@@ -1,0 +1,173 @@
+"""``quantization_config`` for TinyLoop checkpoints and its transformers quantizer.
+
+config.json carries ``{"quant_method": "tinyloop", "bits": 4, "group_size": 128, "symmetric": false,
+"scale_dtype": "float16", "components": {"lm_head": {"bits": 8, "group_size": null}}}``. Components are the
+places a linear can live: ``prelude``, ``loop`` (the loop block and its input injection), ``coda`` and
+``lm_head``. Each takes the top-level format unless ``components`` overrides it; bits 16 keeps it in high
+precision. The LM head stays high precision unless asked; norms, embeddings and the exit gate always do.
+Loading registers nothing at run time beyond this module: ``import tinyloop_hf`` makes transformers build the
+packed modules before the weights are read.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .quant_tinyloop import SUPPORTED_BITS, QuantFormat, QuantLinear
+
+QUANT_METHOD = "tinyloop"
+COMPONENTS = ("prelude", "loop", "coda", "lm_head")
+FULL_PRECISION = 16
+_COMPONENT_OF = (
+    (re.compile(r"^model\.prelude_layers\."), "prelude"),
+    (re.compile(r"^model\.(loop_layers\.|injection$)"), "loop"),
+    (re.compile(r"^model\.coda_layers\."), "coda"),
+    (re.compile(r"^lm_head$"), "lm_head"),
+)
+_FORMAT_KEYS = ("bits", "group_size", "symmetric", "scale_dtype")
+
+
+def component_of(module_name: str) -> str | None:
+    """Which component a linear belongs to (None: never quantized, e.g. the exit gate)."""
+    for pattern, component in _COMPONENT_OF:
+        if pattern.search(module_name):
+            return component
+    return None
+
+
+class TinyLoopQuantConfig(QuantizationConfigMixin):
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int | None = 128,
+        symmetric: bool = False,
+        scale_dtype: str = "float16",
+        components: dict[str, dict[str, Any]] | None = None,
+        method: str = "rtn",
+        **kwargs: Any,
+    ) -> None:
+        self.quant_method = QUANT_METHOD
+        self.bits, self.group_size, self.symmetric, self.scale_dtype = bits, group_size, symmetric, scale_dtype
+        self.components = {name: dict(value) for name, value in (components or {}).items()}
+        self.method = method
+        unknown = set(kwargs) - {"quant_method"}
+        if unknown:
+            raise ValueError(f"quantization_config has unknown fields {sorted(unknown)}")
+        self.validate()
+
+    def validate(self) -> None:
+        unknown = set(self.components) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"quantization_config.components: unknown {sorted(unknown)}; allowed {list(COMPONENTS)}")
+        for component in COMPONENTS:
+            settings = self._settings(component)
+            bad = set(settings) - set(_FORMAT_KEYS)
+            if bad:
+                raise ValueError(f"quantization_config.components.{component}: unknown fields {sorted(bad)}")
+            if settings["bits"] not in (*SUPPORTED_BITS, FULL_PRECISION):
+                raise ValueError(
+                    f"quantization_config bits for {component} must be one of "
+                    f"{[*SUPPORTED_BITS, FULL_PRECISION]}, got {settings['bits']!r}"
+                )
+            self.format_for_component(component)  # validates group size and scale dtype
+        if self.method not in ("rtn", "gptq"):
+            raise ValueError(f"quantization_config.method must be 'rtn' or 'gptq', got {self.method!r}")
+
+    def _settings(self, component: str) -> dict[str, Any]:
+        defaults = {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "scale_dtype": self.scale_dtype,
+        }
+        if component == "lm_head":
+            defaults["bits"] = FULL_PRECISION
+        return {**defaults, **self.components.get(component, {})}
+
+    def format_for_component(self, component: str | None) -> QuantFormat | None:
+        if component is None:
+            return None
+        settings = self._settings(component)
+        if settings["bits"] == FULL_PRECISION:
+            return None
+        return QuantFormat(**settings)
+
+    def quantizes_anything(self) -> bool:
+        return any(self.format_for_component(component) is not None for component in COMPONENTS)
+
+    def format_for(self, module_name: str) -> QuantFormat | None:
+        return self.format_for_component(component_of(module_name))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": QUANT_METHOD,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "scale_dtype": self.scale_dtype,
+            "components": self.components,
+            "method": self.method,
+        }
+
+    def describe(self) -> str:
+        parts = []
+        for component in COMPONENTS:
+            fmt = self.format_for_component(component)
+            if fmt is None:
+                parts.append(f"{component}=16")
+            else:
+                group = "channel" if fmt.group_size is None else f"g{fmt.group_size}"
+                parts.append(f"{component}={fmt.bits}/{group}/{'sym' if fmt.symmetric else 'asym'}")
+        return ", ".join(parts)
+
+
+def replace_linears(model: nn.Module, config: TinyLoopQuantConfig) -> dict[str, QuantLinear]:
+    """Swap every quantizable linear for an empty QuantLinear of its component's format (in place)."""
+    replaced: dict[str, QuantLinear] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        fmt = config.format_for(name)
+        if fmt is None:
+            continue
+        quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
+        replaced[name] = quantized
+    return replaced
+
+
+class TinyLoopHfQuantizer(HfQuantizer):
+    """Pre-quantized checkpoints only: modules are swapped on the meta model, packed tensors load as they are."""
+
+    requires_calibration = True
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        if getattr(model.config, "tie_word_embeddings", False) and self.quantization_config.format_for("lm_head"):
+            raise ValueError("a quantized lm_head needs tie_word_embeddings=False (the embedding stays in fp)")
+        replace_linears(model, self.quantization_config)
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    register_quantization_config(QUANT_METHOD)(TinyLoopQuantConfig)
+if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+    register_quantizer(QUANT_METHOD)(TinyLoopHfQuantizer)
