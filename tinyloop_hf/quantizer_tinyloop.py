@@ -62,6 +62,10 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
         self.validate()
 
     def validate(self) -> None:
+        if self.bits not in (*SUPPORTED_BITS, FULL_PRECISION):
+            raise ValueError(
+                f"quantization_config.bits must be one of {[*SUPPORTED_BITS, FULL_PRECISION]}, got {self.bits!r}"
+            )
         unknown = set(self.components) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"quantization_config.components: unknown {sorted(unknown)}; allowed {list(COMPONENTS)}")

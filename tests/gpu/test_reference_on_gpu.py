@@ -1,0 +1,49 @@
+"""The reference path on a CUDA GPU: same numbers as on the CPU (skipped cleanly without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import REFERENCE, VARIANTS, tiny_model
+from tinyloop_hf import QuantFormat, QuantLinear
+from tinyloop_hf.convert import build_model, read_source
+from tinyloop_hf.quant_tinyloop import dequantize, quantize_rtn
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quant_linear_is_dequantize_then_matmul_on_gpu(bits, dtype):
+    fmt = QuantFormat(bits=bits, group_size=64, symmetric=bits == 8)
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(bits))
+    packed = quantize_rtn(weight, fmt)
+    layer = QuantLinear(256, 96, True, fmt)
+    layer.load_packed(packed)
+    layer.bias.data.normal_()
+    layer = layer.cuda()
+    assert layer.scales.dtype == torch.float16 and layer.qweight.is_cuda
+    x = torch.randn(5, 256, device="cuda", dtype=dtype)
+    expected = torch.nn.functional.linear(x, layer.dequantized_weight().to(dtype), layer.bias.to(dtype))
+    assert torch.equal(layer.to(dtype)(x), expected)
+    assert torch.equal(dequantize(packed, fmt).cuda(), layer.dequantized_weight())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_model_on_gpu_matches_cpu(variant):
+    model = tiny_model(variant)
+    ids = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cpu = model(ids, num_loops=3).logits
+        gpu = model.cuda()(ids.cuda(), num_loops=3).logits.cpu()
+    assert (cpu - gpu).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("name, key", [("ouro-tiny", "greedy_tokens_ut4"), ("huginn-tiny", "greedy_tokens")])
+def test_reference_fixture_greedy_on_gpu(name, key):
+    model = build_model(read_source(REFERENCE / name)).float().cuda()
+    reference = load_file(str(REFERENCE / name / "reference.safetensors"))
+    tokens = model.generate(reference["prompt_ids"].cuda(), max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert torch.equal(tokens.cpu(), reference[key])

@@ -1,0 +1,90 @@
+"""The trained looped model shipped in the package: loads offline, generates, and depth changes its predictions."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
+from tinyloop_hf.convert.__main__ import main as convert_main
+from tinyloop_hf.convert.report import perplexity, text_windows
+from tinyloop_hf.generate_cli import main as generate_main
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    directory = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(directory)
+
+
+def test_ships_inside_the_size_budget_with_its_card():
+    directory = embedded_model_path()
+    size = sum(path.stat().st_size for path in directory.iterdir())
+    assert size <= 30 * 2**20
+    card = (directory / "README.md").read_text()
+    assert "held-out perplexity" in card.lower() and "shakespeare" in card.lower()
+    config = json.loads((directory / "config.json").read_text())
+    assert config["num_prelude_layers"] == 1 and config["num_loop_layers"] == 2 and config["num_coda_layers"] == 1
+
+
+def test_loads_offline_with_its_tokenizer(embedded):
+    model, tokenizer = embedded
+    assert isinstance(model, TinyLoopForCausalLM) and model.config.exit_gate
+    assert tokenizer("To be, or not to be").input_ids[:3] == [2068, 325, 28]
+
+
+def test_depth_matters_on_held_out_text(embedded):
+    model, tokenizer = embedded
+    windows = text_windows(tokenizer, (embedded_model_path() / "heldout_sample.txt").read_text(), 256, limit=12)
+    shallow, default = perplexity(model, windows, 1), perplexity(model, windows, 4)
+    assert default < shallow and math.isfinite(default)
+
+
+def test_generates_readable_text_at_several_depths(embedded, capsys):
+    assert generate_main(["--loops", "1", "4", "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "num_loops=1" in printed and "num_loops=4" in printed
+
+
+def test_quantizing_converter_reports_per_depth(tmp_path, capsys):
+    directory = embedded_model_path()
+    arguments = [
+        str(directory),
+        str(tmp_path / "int4"),
+        "--bits",
+        "4",
+        "--group-size",
+        "64",
+        "--method",
+        "gptq",
+        "--calib",
+        str(directory / "calibration_sample.txt"),
+        "--calib-samples",
+        "4",
+        "--calib-length",
+        "64",
+        "--eval-text",
+        str(directory / "heldout_sample.txt"),
+        "--eval-windows",
+        "2",
+        "--report-depths",
+        "1",
+        "4",
+        "--device",
+        "cpu",
+    ]
+    assert convert_main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "top-1 agree" in printed and "quantized: prelude=4/g64/asym" in printed
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith(("1 ", "4 "))]
+    assert [row[0] for row in rows] == ["1", "4"]
+    assert all(0.5 < float(row[1]) <= 1.0 for row in rows)  # top-1 agreement with the fp model
+    quantized = TinyLoopForCausalLM.from_pretrained(tmp_path / "int4")
+    assert quantized.model.loop_layers[0].mlp.up_proj.format.bits == 4
+    size = sum(p.stat().st_size for p in (tmp_path / "int4").glob("*.safetensors"))
+    assert size < sum(p.stat().st_size for p in directory.glob("*.safetensors"))
