@@ -15,13 +15,12 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_tinyloop.TinyLoopForCausalLM",
 }
 
-_INSTALL_HINT = (
-    "This checkpoint runs on the tinyloop-hf package, which is not installed. Install it with: pip install tinyloop-hf"
-)
+_INSTALL_HINT = "This checkpoint runs on the tinyloop-hf package, which is not installed. Install it with: "
+_INSTALL_COMMAND = "pip install tinyloop-hf"
 
 _SHIMS = {
     "configuration_tinyloop.py": ("TinyLoopConfig",),
-    "modeling_tinyloop.py": ("TinyLoopConfig", "TinyLoopModel", "TinyLoopForCausalLM"),
+    "modeling_tinyloop.py": ("TinyLoopConfig", "TinyLoopForCausalLM", "TinyLoopModel"),
 }
 
 
@@ -32,7 +31,7 @@ def _shim_source(names: tuple[str, ...]) -> str:
         "try:\n"
         f"    from tinyloop_hf import {imported}\n"
         "except ImportError as error:  # the package is the implementation; say how to get it\n"
-        f"    raise ImportError({_INSTALL_HINT!r}) from error\n\n"
+        f"    raise ImportError(\n        {_INSTALL_HINT!r}\n        {_INSTALL_COMMAND!r}\n    ) from error\n\n"
         f"__all__ = {list(names)!r}\n"
     )
 

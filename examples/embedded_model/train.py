@@ -1,8 +1,8 @@
 """Train the embedded TinyLoop model (prelude 1 + loop block 2 + coda 1, hidden 192) on prepare_data.py's tokens.
 
 Each step runs a random depth T in [1, --max-train-loops]; the loss is the cross-entropy after loop T plus
---shallow-weight times the mean over the earlier loops (so every depth stays a usable model, which self-speculative
-drafting and early exit rely on, while the deepest loop carries most of the weight and depth keeps paying off). The exit gate learns, per token
+--shallow-weight times the mean over the earlier loops: every depth stays a usable model (self-speculative
+drafting and early exit rely on that) while the deepest loop carries most of the weight. The exit gate learns, per token
 and loop, whether one more loop still lowers that token's loss by at least --gate-margin nats (a stop/continue
 label from the realised improvement, as in Ouro's second gate stage). On a GPU:
 

@@ -1,10 +1,11 @@
 """auto_map entry point written by tinyloop-hf: the implementation lives in the installed package."""
 
 try:
-    from tinyloop_hf import TinyLoopConfig, TinyLoopModel, TinyLoopForCausalLM
+    from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopModel
 except ImportError as error:  # the package is the implementation; say how to get it
     raise ImportError(
-        "This checkpoint runs on the tinyloop-hf package, which is not installed. Install it with: pip install tinyloop-hf"
+        'This checkpoint runs on the tinyloop-hf package, which is not installed. Install it with: '
+        'pip install tinyloop-hf'
     ) from error
 
-__all__ = ["TinyLoopConfig", "TinyLoopModel", "TinyLoopForCausalLM"]
+__all__ = ['TinyLoopConfig', 'TinyLoopForCausalLM', 'TinyLoopModel']
