@@ -2,7 +2,8 @@
 
 Columns are quantized left to right; each column's rounding error is spread over the not-yet-quantized columns
 through the inverse Hessian of the layer inputs (H = 2/n sum x x^T), in blocks of 128 columns. Group parameters
-are taken from the error-updated weights when a group starts (groups of 32/64/128 never straddle a block).
+are taken from the error-updated weights when a group starts (groups of 32/64/128 start at multiples of their size,
+so they never straddle a block; a short last group is simply narrower).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat,
     H_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(rows, columns, dtype=torch.int64, device=W.device)
-    scales = torch.zeros(rows, columns // width, dtype=torch.float32, device=W.device)
-    zeros = torch.zeros(rows, columns // width, dtype=torch.int64, device=W.device)
+    scales = torch.zeros(rows, fmt.groups(columns), dtype=torch.float32, device=W.device)
+    zeros = torch.zeros(rows, fmt.groups(columns), dtype=torch.int64, device=W.device)
     if fmt.group_size is None:
         scale, zero = group_parameters(W, fmt)
         scales[:, 0], zeros[:, 0] = scale, zero

@@ -89,6 +89,26 @@ def test_quant_linear_is_exactly_dequantize_then_matmul(fmt):
     assert torch.equal(layer.to(torch.bfloat16)(x16), expected16)
 
 
+@pytest.mark.parametrize("columns, group", [(576, 128), (192, 128), (96, 64)])
+def test_a_short_last_group(columns, group):
+    """SmolLM2's hidden size 576 is 4.5 groups of 128: the last group has 64 columns."""
+    fmt = QuantFormat(4, group)
+    weight = torch.randn(16, columns, generator=torch.Generator().manual_seed(columns))
+    packed = quantize_rtn(weight, fmt)
+    assert packed.scales.shape == (16, -(-columns // group)) == fmt.tensor_shapes(16, columns)["scales"][0]
+    last = slice((columns // group) * group, columns)
+    tail = weight[:, last]
+    expected = dequantize(quantize_rtn(tail, fmt), fmt)  # the short group quantized on its own
+    assert torch.equal(dequantize(packed, fmt)[:, last], expected)
+    hessian = torch.eye(columns) * 2
+    gptq = dequantize(gptq_quantize(weight, hessian, fmt), fmt)
+    assert (gptq - weight).abs().max() <= packed.scales.float().max() * 0.51  # identity Hessian: plain rounding
+    layer = QuantLinear(columns, 16, False, fmt)
+    layer.load_packed(packed)
+    x = torch.randn(2, columns)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, dequantize(packed, fmt)))
+
+
 def test_moving_to_another_dtype_keeps_the_stored_scales():
     layer = QuantLinear(64, 8, False, QuantFormat(4, 32))
     layer.load_packed(quantize_rtn(torch.randn(8, 64), QuantFormat(4, 32)))
@@ -185,7 +205,7 @@ def test_unsupported_format_in_a_checkpoint_fails_clearly(field, value, message,
 
 
 def test_layer_shapes_that_cannot_be_grouped_are_named():
-    with pytest.raises(ValueError, match=r"model.loop_layers.0.mlp.down_proj: in_features=48 must be a multiple"):
+    with pytest.raises(ValueError, match=r"model.loop_layers.0.mlp.down_proj: in_features=48 must be a multiple of 32"):
         quantize_model(tiny_model("ouro"), TinyLoopQuantConfig(bits=4, group_size=32), progress=False)
 
 

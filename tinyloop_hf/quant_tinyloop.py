@@ -16,8 +16,9 @@ the kernel layout; nothing is repacked after loading):
 * INT3 is two bit-planes: ``qweight`` holds the low 2 bits in the INT2 layout ([N, K/16]) and ``qweight_high``
   int32 [N, K/32] the third bit in the same even/odd order (bit j of the low half is column 2j of the word's 32).
   Both planes keep the 16-byte load property.
-* Requirements: K is a multiple of the group size and of 32; group_size is 32, 64, 128 or None (one group per row,
-  "per output channel").
+* Requirements: K is a multiple of 32; group_size is 32, 64, 128 or None (one group per row, "per output
+  channel"). Groups start every group_size columns; when group_size does not divide K (SmolLM2's 576 = 4.5 x 128)
+  the last group is shorter, so ``scales``/``zeros`` have ceil(K / group_size) columns.
 """
 
 from __future__ import annotations
@@ -64,16 +65,14 @@ class QuantFormat:
         return 2 ** (self.bits - 1)
 
     def groups(self, in_features: int) -> int:
-        return 1 if self.group_size is None else in_features // self.group_size
+        return 1 if self.group_size is None else -(-in_features // self.group_size)
 
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size is None else self.group_size
 
     def check_shape(self, in_features: int, name: str = "layer") -> None:
-        if in_features % 32 or in_features % self.group_width(in_features):
-            raise ValueError(
-                f"{name}: in_features={in_features} must be a multiple of 32 and of group_size={self.group_size}"
-            )
+        if in_features % 32:
+            raise ValueError(f"{name}: in_features={in_features} must be a multiple of 32 to be packed")
 
     def tensor_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Name -> (shape, dtype) of every tensor a QuantLinear of this format stores."""
@@ -155,13 +154,17 @@ def unpack(packed: PackedWeight, fmt: QuantFormat) -> torch.Tensor:
     return unpack_codes(packed.qweight, fmt.bits)
 
 
+def _per_column(values: torch.Tensor, width: int, columns: int) -> torch.Tensor:
+    """[N, G] group values -> [N, K] (the last group may be shorter than ``width``)."""
+    return values.repeat_interleave(width, dim=1)[:, :columns]
+
+
 def dequantize(packed: PackedWeight, fmt: QuantFormat) -> torch.Tensor:
     """w = (q - z) * s, exact in fp32: [N, K]."""
     codes = unpack(packed, fmt)
-    rows, columns = codes.shape
-    zero = fmt.midpoint if fmt.symmetric else packed.zeros.to(torch.int64)[..., None]
-    centered = (codes.reshape(rows, -1, fmt.group_width(columns)) - zero).to(torch.float32)
-    return (centered * packed.scales.to(torch.float32)[..., None]).reshape(rows, columns)
+    width = fmt.group_width(codes.shape[1])
+    zero = fmt.midpoint if fmt.symmetric else _per_column(packed.zeros.to(torch.int64), width, codes.shape[1])
+    return (codes - zero).to(torch.float32) * _per_column(packed.scales.to(torch.float32), width, codes.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -200,10 +203,12 @@ def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
     """Round-to-nearest quantization of ``weight`` [N, K]."""
     rows, columns = weight.shape
     fmt.check_shape(columns)
-    width = fmt.group_width(columns)
-    grouped = weight.float().reshape(rows * (columns // width), width)
+    width, groups = fmt.group_width(columns), fmt.groups(columns)
+    # Zero padding of a short last group changes nothing: every group's range already includes 0.
+    padded = torch.nn.functional.pad(weight.float(), (0, groups * width - columns))
+    grouped = padded.reshape(rows * groups, width)
     scale, zero = group_parameters(grouped, fmt)
-    codes = quantize_codes(grouped, scale, zero, fmt).to(torch.int64).reshape(rows, columns)
+    codes = quantize_codes(grouped, scale, zero, fmt).to(torch.int64).reshape(rows, -1)[:, :columns]
     scales = scale.reshape(rows, -1).to(SCALE_DTYPES[fmt.scale_dtype])
     return pack(codes, scales, zero.reshape(rows, -1).to(torch.int64), fmt)
 
