@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from tinyloop_hf import TinyLoopForCausalLM, TinyLoopQuantConfig
+from tinyloop_hf import TinyLoopForCausalLM, TinyLoopQuantConfig, embedded_model_path
 
 from .core import DTYPES, convert_model, read_source, write_checkpoint
 from .formats import FORMATS, ConversionError
@@ -51,7 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quant.add_argument("--symmetric", action="store_true", help="fixed midpoint instead of a zero point per group")
     quant.add_argument("--scale-dtype", choices=["float16", "bfloat16"], default="float16")
     quant.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
-    quant.add_argument("--calib", help="text file for GPTQ calibration")
+    quant.add_argument(
+        "--calib",
+        help="text file for GPTQ calibration (default: the embedded model's calibration "
+        "sample, 200 KB of public-domain text)",
+    )
     quant.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
     quant.add_argument("--calib-length", type=int, default=256, help="tokens per calibration window")
     for component, dest in COMPONENT_FLAGS.items():
@@ -62,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             choices=BITS,
             help=f"bits for the {component} (default: --bits; lm_head: 16)",
         )
-    quant.add_argument("--eval-text", help="held-out text for the quality report (perplexity, KL, top-1)")
+    quant.add_argument(
+        "--eval-text",
+        help="held-out text for the quality report: perplexity, KL, top-1 per depth "
+        "(default: the embedded model's held-out sample)",
+    )
+    quant.add_argument("--no-report", action="store_true", help="skip the quality report")
     quant.add_argument("--eval-windows", type=int, default=32, help="windows of held-out text to score")
     quant.add_argument("--report-depths", type=int, nargs="+", help="loop depths to report (default: 1 .. default)")
     parser.add_argument(
@@ -107,13 +116,11 @@ def _run(args: argparse.Namespace) -> int:
     model = convert_model(
         source, args.dtype, num_loops=args.num_loops, max_loops=args.max_loops, initial_state=args.initial_state
     )
-    tokenizer = _tokenizer(args) if (args.calib or args.eval_text) else None
+    tokenizer = _text_settings(args, quantization) if quantization is not None else None
     reference = None
     if quantization is not None:
         calibration = None
         if quantization.method == "gptq":
-            if not args.calib:
-                raise ConversionError("--method gptq needs --calib FILE (text to calibrate on)")
             calibration = calibration_windows(
                 tokenizer, Path(args.calib).read_text(), args.calib_samples, args.calib_length
             )
@@ -136,18 +143,26 @@ def _run(args: argparse.Namespace) -> int:
         print(
             format_table(rows, f"quality vs unquantized ({quantization.describe()}; {windows.numel()} held-out tokens)")
         )
-    elif quantization is not None:
-        print("quality report: pass --eval-text FILE (held-out text) to measure it")
     elif not args.no_parity:
         _parity(model, source)
     return 0
 
 
-def _tokenizer(args: argparse.Namespace):
+def _text_settings(args: argparse.Namespace, quantization: TinyLoopQuantConfig):
+    """Default the calibration and report texts to the embedded samples; return SRC's tokenizer (None when the
+    report was only defaulted and SRC has no tokenizer: the report is then skipped, as said)."""
+    samples = embedded_model_path()
+    asked_for_text = quantization.method == "gptq" or args.eval_text is not None
+    args.calib = args.calib or str(samples / "calibration_sample.txt")
+    args.eval_text = None if args.no_report else args.eval_text or str(samples / "heldout_sample.txt")
     try:
         return AutoTokenizer.from_pretrained(args.src, gguf_file=args.gguf_file)
     except (OSError, ValueError) as error:
-        raise ConversionError(f"--calib/--eval-text need a tokenizer in SRC: {error}") from None
+        if asked_for_text:
+            raise ConversionError(f"GPTQ and --eval-text need a tokenizer in SRC: {error}") from None
+        print("quality report skipped: SRC has no tokenizer to read held-out text with")
+        args.eval_text = None
+        return None
 
 
 def _summary(model: TinyLoopForCausalLM, destination: Path, quantization: TinyLoopQuantConfig | None) -> None:

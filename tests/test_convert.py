@@ -234,3 +234,18 @@ def test_base_model_loads_from_a_causal_lm_checkpoint(converted_ouro):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     with torch.no_grad():
         assert torch.equal(base(ids).last_hidden_state, full.model(ids).last_hidden_state)
+
+
+def test_quantizing_a_source_without_tokenizer_skips_only_the_report(tmp_path, capsys):
+    source = _copy_source("huginn-tiny", tmp_path)
+    assert convert_main([str(source), str(tmp_path / "q"), "--bits", "4", "--group-size", "32", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "quality report skipped: SRC has no tokenizer" in printed and "quantized: prelude=4/g32/asym" in printed
+    model = TinyLoopForCausalLM.from_pretrained(tmp_path / "q")
+    assert model.model.injection.format.bits == 4
+
+
+def test_layers_that_cannot_be_packed_are_named_by_the_converter(tmp_path, capsys):
+    source = _copy_source("ouro-tiny", tmp_path)  # intermediate_size 176 is not a multiple of 32
+    assert convert_main([str(source), str(tmp_path / "q"), "--bits", "4", "--no-report"]) == 2
+    assert "model.loop_layers.0.mlp.down_proj: in_features=176 must be a multiple of 32" in capsys.readouterr().err
