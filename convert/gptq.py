@@ -1,9 +1,10 @@
 """GPTQ (Frantar et al., 2022) for one weight matrix, writing the package's packed format.
 
-Columns are quantized left to right; each column's rounding error is spread over the not-yet-quantized columns
-through the inverse Hessian of the layer inputs (H = 2/n sum x x^T), in blocks of 128 columns. Group parameters
-are taken from the error-updated weights when a group starts (groups of 32/64/128 start at multiples of their size,
-so they never straddle a block; a short last group is simply narrower).
+Columns are quantized one at a time; each column's rounding error is spread over the not-yet-quantized columns
+through the inverse Hessian of the layer inputs (H = 2/n sum x x^T), in blocks of 128 columns. By default columns
+go in activation order with static groups (see ``gptq_quantize``); without act_order they go left to right and a
+group's parameters come from the error-updated weights when the group starts (groups start at multiples of their
+size, so they never straddle a block; a short last group is simply narrower).
 """
 
 from __future__ import annotations
@@ -38,36 +39,46 @@ class HessianAccumulator:
         self.rows = total
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, damping: float = 0.01) -> PackedWeight:
-    """Quantize ``weight`` [N, K] given the input Hessian [K, K]."""
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, fmt: QuantFormat, damping: float = 0.01, act_order: bool = True
+) -> PackedWeight:
+    """Quantize ``weight`` [N, K] given the input Hessian [K, K].
+
+    ``act_order`` visits columns by decreasing Hessian diagonal (the inputs with the most energy first, which matters
+    for models with outlier features) with *static* groups: each group's scale and zero come from the original
+    weights of its contiguous columns, so the packed layout stays the plain contiguous-group one.
+    """
     rows, columns = weight.shape
     fmt.check_shape(columns)
     width = fmt.group_width(columns)
     W = weight.detach().float().clone()
-    H = hessian.clone().float()
+    H = hessian.clone().float().to(W.device)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
+    scales = torch.zeros(rows, fmt.groups(columns), dtype=torch.float32, device=W.device)
+    zeros = torch.zeros(rows, fmt.groups(columns), dtype=torch.int64, device=W.device)
+    static = act_order or fmt.group_size is None
+    if static:
+        padded = torch.nn.functional.pad(W, (0, fmt.groups(columns) * width - columns))
+        scale, zero = group_parameters(padded.reshape(rows * fmt.groups(columns), width), fmt)
+        scales[:], zeros[:] = scale.reshape(rows, -1), zero.reshape(rows, -1).to(torch.int64)
+    order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns, device=W.device)
+    W, H = W[:, order], H[order][:, order]
     H += damping * torch.mean(torch.diag(H)) * torch.eye(columns, device=H.device)
     H_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(rows, columns, dtype=torch.int64, device=W.device)
-    scales = torch.zeros(rows, fmt.groups(columns), dtype=torch.float32, device=W.device)
-    zeros = torch.zeros(rows, fmt.groups(columns), dtype=torch.int64, device=W.device)
-    if fmt.group_size is None:
-        scale, zero = group_parameters(W, fmt)
-        scales[:, 0], zeros[:, 0] = scale, zero
     for start in range(0, columns, BLOCK):
         end = min(start + BLOCK, columns)
         block = W[:, start:end].clone()
         errors = torch.zeros_like(block)
         block_inv = H_inv[start:end, start:end]
         for offset in range(end - start):
-            column = start + offset
-            if fmt.group_size is not None and column % width == 0:
-                scale, zero = group_parameters(block[:, offset : offset + width], fmt)
-                scales[:, column // width], zeros[:, column // width] = scale, zero
+            column = int(order[start + offset])  # position in the original (packed) layout
             group = column // width
+            if not static and column % width == 0:
+                scales[:, group], zeros[:, group] = group_parameters(block[:, offset : offset + width], fmt)
             code = quantize_codes(block[:, offset : offset + 1], scales[:, group], zeros[:, group], fmt)[:, 0]
             codes[:, column] = code.to(torch.int64)
             dequantized = (code - zeros[:, group]) * scales[:, group]

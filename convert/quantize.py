@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.modeling_tinyloop import _ForwardContext
 from tinyloop_hf.ops_tinyloop import rope_angles
-from tinyloop_hf.quant_tinyloop import PackedWeight, QuantLinear, quantize_rtn
-from tinyloop_hf.quantizer_tinyloop import TinyLoopQuantConfig
+from tinyloop_hf.quant_tinyloop import PackedWeight, quantize_rtn
+from tinyloop_hf.quantizer_tinyloop import TinyLoopQuantConfig, swap_in_quant_linear
 
 from .gptq import HessianAccumulator, gptq_quantize
 
@@ -54,14 +54,11 @@ def _target(config: TinyLoopQuantConfig, name: str, module: nn.Module) -> bool:
 
 
 def _swap(model: nn.Module, name: str, module: nn.Linear, packed: PackedWeight, config: TinyLoopQuantConfig) -> None:
-    fmt = config.format_for(name)
-    quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
+    quantized = swap_in_quant_linear(model, name, module, config.format_for(name))
     quantized.load_packed(packed)
     if module.bias is not None:
         quantized.bias = nn.Parameter(module.bias.detach().clone())
     quantized.to(module.weight.device)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, quantized)
 
 
 class _GPTQ:

@@ -23,7 +23,7 @@ the kernel layout; nothing is repacked after loading):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,13 +88,6 @@ class QuantFormat:
             shapes["zeros"] = ((out_features, groups), torch.uint8)
         return shapes
 
-    def bits_per_weight(self, in_features: int) -> float:
-        scale_bits = 16 + (0 if self.symmetric else 8)
-        return self.bits + scale_bits / self.group_width(in_features)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Packing
@@ -110,8 +103,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint codes [N, K] (< 2^bits, bits in 1, 2, 4, 8) -> int32 words [N, K*bits/32] in the documented order."""
     per_word = 32 // bits
     rows, columns = codes.shape
-    fields = codes.to(torch.int64).reshape(rows, columns // per_word, per_word)[..., _field_order(per_word)]
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    order = _field_order(per_word).to(codes.device)
+    fields = codes.to(torch.int64).reshape(rows, columns // per_word, per_word)[..., order]
+    shifts = torch.arange(per_word, dtype=torch.int64, device=codes.device) * bits
     words = (fields << shifts).sum(-1)  # < 2^32, exact in int64
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 

@@ -131,20 +131,21 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
         return ", ".join(parts)
 
 
+def swap_in_quant_linear(model: nn.Module, name: str, module: nn.Linear, fmt: QuantFormat) -> QuantLinear:
+    """Put an empty QuantLinear of ``fmt`` where the linear ``name`` was (in place) and return it."""
+    quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, quantized)
+    return quantized
+
+
 def replace_linears(model: nn.Module, config: TinyLoopQuantConfig) -> dict[str, QuantLinear]:
     """Swap every quantizable linear for an empty QuantLinear of its component's format (in place)."""
-    replaced: dict[str, QuantLinear] = {}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
-        fmt = config.format_for(name)
-        if fmt is None:
-            continue
-        quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, quantized)
-        replaced[name] = quantized
-    return replaced
+    return {
+        name: swap_in_quant_linear(model, name, module, config.format_for(name))
+        for name, module in list(model.named_modules())
+        if isinstance(module, nn.Linear) and config.format_for(name) is not None
+    }
 
 
 class TinyLoopHfQuantizer(HfQuantizer):

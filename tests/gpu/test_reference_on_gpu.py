@@ -47,3 +47,19 @@ def test_reference_fixture_greedy_on_gpu(name, key):
     reference = load_file(str(REFERENCE / name / "reference.safetensors"))
     tokens = model.generate(reference["prompt_ids"].cuda(), max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert torch.equal(tokens.cpu(), reference[key])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_rtn_and_gptq_run_on_gpu_tensors(bits):
+    from tinyloop_hf.convert.gptq import gptq_quantize
+    from tinyloop_hf.quant_tinyloop import unpack
+
+    fmt = QuantFormat(bits=bits, group_size=128)
+    weight = torch.randn(64, 576, generator=torch.Generator().manual_seed(1))
+    on_cpu, on_gpu = quantize_rtn(weight, fmt), quantize_rtn(weight.cuda(), fmt)
+    assert on_gpu.qweight.is_cuda
+    agree = (unpack(on_cpu, fmt) == unpack(on_gpu, fmt).cpu()).float().mean()
+    assert agree > 0.999  # ties in round() may fall differently
+    hessian = torch.eye(576, device="cuda") * 2
+    packed = gptq_quantize(weight.cuda(), hessian, fmt)
+    assert (dequantize(packed, fmt) - weight).abs().max() <= on_cpu.scales.float().max() * 0.51
