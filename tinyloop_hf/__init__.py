@@ -11,6 +11,7 @@ from .configuration_tinyloop import TinyLoopConfig
 from .embedded import embedded_model_path
 from .modeling_tinyloop import TinyLoopForCausalLM, TinyLoopModel
 from .ops_tinyloop import get_op, register_op
+from .paged_cache import PagedTinyLoopCache
 from .quant_tinyloop import QuantFormat, QuantLinear
 from .quantizer_tinyloop import TinyLoopQuantConfig  # also registers the "tinyloop" quantizer with transformers
 
@@ -23,6 +24,7 @@ AutoModelForCausalLM.register(TinyLoopConfig, TinyLoopForCausalLM, exist_ok=True
 __all__ = [
     "QuantFormat",
     "QuantLinear",
+    "PagedTinyLoopCache",
     "TinyLoopCache",
     "TinyLoopConfig",
     "TinyLoopForCausalLM",

@@ -131,6 +131,12 @@ class TinyLoopCache(Cache):
         self.num_coda_layers = config.num_coda_layers
         self.max_loops = config.max_loops
 
+    def begin_step(self, batch: int, new_tokens: int, attention_mask: torch.Tensor | None, like: torch.Tensor) -> None:
+        """Called by the model before its layers run (the paged mode prepares device metadata here)."""
+
+    def end_step(self) -> None:
+        """Called by the model after its layers ran."""
+
     def slot_index(self, stage: str, layer: int, loop: int = 0) -> int:
         """Flat slot of ``layer`` in ``stage`` ("prelude", "loop", "coda") at loop ``loop`` (loop stage only)."""
         if stage == "prelude":

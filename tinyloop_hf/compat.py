@@ -17,3 +17,10 @@ GENERATE_CACHE_KEY = (
     if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
 )
+
+
+def graph_capturing() -> bool:
+    """True while a CUDA graph is being captured on the current stream (always False on CPU-only builds)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -53,5 +53,5 @@ class TinyLoopGenerationMixin(GenerationMixin):
                 f"cache_implementation={generation_config.cache_implementation!r} is not supported by TinyLoop "
                 f"models; leave it unset (generate then uses a TinyLoopCache)"
             )
-        model_kwargs[GENERATE_CACHE_KEY] = TinyLoopCache(self.config)
+        model_kwargs[GENERATE_CACHE_KEY] = self.new_cache(capacity=generation_config.max_length)
         return None

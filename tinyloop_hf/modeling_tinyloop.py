@@ -16,11 +16,11 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .cache_tinyloop import TinyLoopCache
-from .compat import CACHE_OUTPUT_FIELD
+from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import exit_distribution, select_states, threshold_exit_steps
-from .ops_tinyloop import REFERENCE, get_op, rope_angles
+from .ops_tinyloop import REFERENCE, get_op, register_op, rope_angles
 
 LoopCount = int | Sequence[int] | torch.Tensor
 
@@ -94,21 +94,27 @@ class TinyLoopAttention(nn.Module):
         self.op_backend = REFERENCE
 
     def forward(self, x: torch.Tensor, context: _ForwardContext, slot: int) -> torch.Tensor:
-        batch, length, _ = x.shape
-        shape = (batch, length, -1, self.head_dim)
-        query = self.q_proj(x).view(shape).transpose(1, 2)  # [B, Hq, S, Dh]
-        key = self.k_proj(x).view(shape).transpose(1, 2)  # [B, Hkv, S, Dh]
-        value = self.v_proj(x).view(shape).transpose(1, 2)
-        rope = get_op("rope", self.op_backend)
-        query = rope(query, context.cos, context.sin, self.config.rope_layout)
-        key = rope(key, context.cos, context.sin, self.config.rope_layout)
-        if context.cache is not None:
-            key, value = context.cache.update(key, value, slot, past_length=context.past_length)
-        implementation = "eager" if self.config._attn_implementation == "eager" else "sdpa"
-        out = get_op("attention", self.op_backend)(
-            query, key, value, context.mask, context.is_causal, self.scaling, implementation
-        )  # [B, Hq, S, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return get_op("self_attention", self.op_backend)(self, x, context, slot)
+
+
+@register_op("self_attention", REFERENCE)
+def reference_self_attention(module: TinyLoopAttention, x: torch.Tensor, context: _ForwardContext, slot: int):
+    """Projections, RoPE, cache append and attention through the small ops (a backend may fuse all of it)."""
+    batch, length, _ = x.shape
+    shape = (batch, length, -1, module.head_dim)
+    query = module.q_proj(x).view(shape).transpose(1, 2)  # [B, Hq, S, Dh]
+    key = module.k_proj(x).view(shape).transpose(1, 2)  # [B, Hkv, S, Dh]
+    value = module.v_proj(x).view(shape).transpose(1, 2)
+    rope = get_op("rope", REFERENCE)
+    query = rope(query, context.cos, context.sin, module.config.rope_layout)
+    key = rope(key, context.cos, context.sin, module.config.rope_layout)
+    if context.cache is not None:
+        key, value = context.cache.update(key, value, slot, past_length=context.past_length)
+    implementation = "eager" if module.config._attn_implementation == "eager" else "sdpa"
+    out = get_op("attention", REFERENCE)(
+        query, key, value, context.mask, context.is_causal, module.scaling, implementation
+    )  # [B, Hq, S, Dh]
+    return module.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class TinyLoopMLP(nn.Module):
@@ -120,7 +126,12 @@ class TinyLoopMLP(nn.Module):
         self.op_backend = REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(get_op("swiglu", self.op_backend)(self.gate_proj(x), self.up_proj(x)))
+        return get_op("mlp", self.op_backend)(self, x)
+
+
+@register_op("mlp", REFERENCE)
+def reference_mlp(module: TinyLoopMLP, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(get_op("swiglu", REFERENCE)(module.gate_proj(x), module.up_proj(x)))
 
 
 class TinyLoopBlock(nn.Module):
@@ -129,6 +140,7 @@ class TinyLoopBlock(nn.Module):
     def __init__(self, config: TinyLoopConfig) -> None:
         super().__init__()
         self.block_norm = config.block_norm
+        self.op_backend = REFERENCE
         self.self_attn = TinyLoopAttention(config)
         self.mlp = TinyLoopMLP(config)
         self.input_layernorm = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N1
@@ -139,16 +151,44 @@ class TinyLoopBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, context: _ForwardContext, slot: int) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), context, slot)
-        x = self._residual(x, attn, "input_layernorm_2")
-        mlp = self.mlp(self.post_attention_layernorm(x))
-        return self._residual(x, mlp, "post_attention_layernorm_2")
+        x, h = self._junction(x, attn, getattr(self, "input_layernorm_2", None), self.post_attention_layernorm)
+        mlp = self.mlp(h)
+        x, _ = self._junction(x, mlp, getattr(self, "post_attention_layernorm_2", None), None)
+        return x
 
-    def _residual(self, x: torch.Tensor, branch: torch.Tensor, second_norm: str) -> torch.Tensor:
-        if self.block_norm == "pre":
-            return x + branch
-        if self.block_norm == "sandwich":
-            return x + getattr(self, second_norm)(branch)
-        return getattr(self, second_norm)(branch + x)  # post_residual
+    def _junction(
+        self, x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module | None, next_norm: nn.Module | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Residual update after a sublayer and the next sublayer's input norm, as one op."""
+        return get_op("residual_norm", self.op_backend)(
+            x,
+            branch,
+            branch_norm.weight if branch_norm is not None else None,
+            next_norm.weight if next_norm is not None else None,
+            self.input_layernorm.eps,
+            self.block_norm,
+        )
+
+
+@register_op("residual_norm", REFERENCE)
+def reference_residual_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor | None,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(new residual stream, next sublayer's normed input or None). Modes: "pre" x + b (Llama), "sandwich"
+    x + norm(b) (Ouro), "post_residual" norm(b + x) (Huginn)."""
+    norm = get_op("rms_norm", REFERENCE)
+    if mode == "pre":
+        total = x + branch
+    elif mode == "sandwich":
+        total = x + norm(branch, branch_weight, eps)
+    else:
+        total = norm(branch + x, branch_weight, eps)
+    return total, norm(total, next_weight, eps) if next_weight is not None else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -172,10 +212,44 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         """No-op: checkpoints carry small import shims (``remote_code.py``), never copies of this package's code."""
 
     def set_op_backend(self, backend: str) -> None:
-        """Route every op of every module through ``backend`` (e.g. "reference", or a kernel backend)."""
+        """Route every op of every module through ``backend`` ("reference", or "cuda" via ``use_cuda_path``)."""
         for module in self.modules():
-            if hasattr(module, "op_backend"):
+            if isinstance(module, TinyLoopPreTrainedModel):
+                module._op_backend = backend
+            elif hasattr(module, "op_backend"):
                 module.op_backend = backend
+
+    @property
+    def op_backend(self) -> str:
+        return getattr(self, "_op_backend", REFERENCE)
+
+    def new_cache(self, capacity: int | None = None) -> TinyLoopCache:
+        """An empty cache for this model: a TinyLoopCache on the reference path, the paged cache on the CUDA path
+        (``capacity``: tokens per row to reserve; it grows when exceeded)."""
+        path = getattr(self._cuda_root(), "_cuda_path", None)
+        return path.new_cache(capacity) if path is not None else TinyLoopCache(self.config)
+
+    def _cuda_root(self) -> Any:
+        return getattr(self, "_tinyloop_root", self)
+
+    def use_cuda_path(self, kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> Any:
+        """Run every op on the CUDA kernels (``kernels/``): low-bit GEMV, fused norms, paged attention with
+        ``kv_cache_dtype`` "auto" (model dtype) or "int8", and (``cuda_graphs``) decode steps replayed from CUDA
+        graphs inside ``generate()``. Needs CuPy, an sm_80+ GPU and a float16/bfloat16 model; raises otherwise."""
+        from .cuda_path import CudaPath
+
+        self._cuda_path = CudaPath(self, kv_cache_dtype, cuda_graphs)
+        for module in self.modules():
+            if module is not self and isinstance(module, TinyLoopPreTrainedModel):
+                module._tinyloop_root = self
+        self.set_op_backend("cuda")
+        return self
+
+    def use_reference_path(self) -> Any:
+        """Back to the pure-PyTorch reference ops (and unpaged caches)."""
+        self.set_op_backend(REFERENCE)
+        self._cuda_path = None
+        return self
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         # Custom generation fields are dropped on reload when the config says it was derived from the model config.
@@ -238,17 +312,20 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         exit_at_step: int | None = None,
         cache: TinyLoopCache | None = None,
     ) -> TinyLoopModelOutput | tuple:
-        cache = _resolve_cache(past_key_values, cache, use_cache, self.config)
+        cache = _resolve_cache(past_key_values, cache, use_cache, self.new_cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = hidden.shape[:2]
         past = cache.get_seq_length() if cache is not None else 0
         position_ids = _resolve_positions(position_ids, attention_mask, past, length, hidden.device)
-        _check_context(position_ids, self.config.max_position_embeddings)
+        if not graph_capturing():  # a CUDA-graph capture may not synchronize
+            _check_context(position_ids, self.config.max_position_embeddings)
         cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
         mask, is_causal = _attention_mask(attention_mask, past, length, batch, hidden.device)
         context = _ForwardContext(cos, sin, mask, is_causal, cache, past)
+        if cache is not None:
+            cache.begin_step(batch, length, attention_mask, hidden)
         total_loops, loops_per_row = _resolve_loops(num_loops, self.config, batch, hidden.device)
         exit_at_step = _check_exit_step(exit_at_step, total_loops, loops_per_row)
 
@@ -268,6 +345,8 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         elif threshold is not None:
             state = select_states(states, threshold_exit_steps(probabilities, threshold, loops_per_row))
         last_hidden = self.finish(state, context)
+        if cache is not None:
+            cache.end_step()
 
         hidden_states = (hidden, *states) if output_hidden_states else None
         gate_logits = torch.stack(gates, dim=2) if gates else None
@@ -373,6 +452,13 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             raise TypeError(f"TinyLoopForCausalLM.forward got unexpected arguments: {sorted(unknown)}")
         if output_attentions:
             raise ValueError("output_attentions=True is not supported by TinyLoopForCausalLM")
+        graph_logits = self._graph_decode(
+            input_ids, attention_mask, position_ids, cache if cache is not None else past_key_values, locals()
+        )
+        if graph_logits is not None:
+            given = cache if cache is not None else past_key_values
+            output = TinyLoopCausalLMOutput(logits=graph_logits, **{CACHE_OUTPUT_FIELD: given})
+            return output if return_dict is not False else output.to_tuple()
         weighted = self._weighted_exit(use_weighted_exit, labels, exit_at_step, exit_threshold)
         outputs = self.model(
             input_ids=input_ids,
@@ -404,6 +490,16 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict is not False else output.to_tuple()
+
+    def _graph_decode(
+        self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any, arguments: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """Logits of a decode step replayed from a CUDA graph (CUDA path), or None to run the step normally."""
+        path = getattr(self, "_cuda_path", None)
+        if path is None or use_cache_disabled(arguments):
+            return None
+        key = path.graph_key(input_ids, cache, arguments)
+        return None if key is None else path.decode(key, input_ids, attention_mask, position_ids, cache)
 
     def _weighted_exit(
         self, use_weighted_exit: bool | None, labels: Any, exit_at_step: int | None, exit_threshold: float | None
@@ -443,13 +539,15 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def use_cache_disabled(arguments: dict[str, Any]) -> bool:
+    return arguments.get("use_cache") is False
+
+
 def _slot(cache: TinyLoopCache | None, stage: str, layer: int, loop: int = 0) -> int:
     return cache.slot_index(stage, layer, loop) if cache is not None else -1
 
 
-def _resolve_cache(
-    past_key_values: Any, cache: Any, use_cache: bool | None, config: TinyLoopConfig
-) -> TinyLoopCache | None:
+def _resolve_cache(past_key_values: Any, cache: Any, use_cache: bool | None, new_cache: Any) -> TinyLoopCache | None:
     if past_key_values is not None and cache is not None and past_key_values is not cache:
         raise ValueError("pass the cache as past_key_values or as cache, not both")
     given = cache if cache is not None else past_key_values
@@ -459,7 +557,7 @@ def _resolve_cache(
             f"create one with TinyLoopCache(model.config) or let generate() do it"
         )
     if given is None and use_cache:
-        given = TinyLoopCache(config)
+        given = new_cache()
     if given is not None and use_cache is False:
         return None
     return given

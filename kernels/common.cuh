@@ -1,0 +1,69 @@
+// Shared device helpers for the tinyloop_hf kernels (compiled by NVRTC through CuPy; no host headers).
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define TL_INF __int_as_float(0x7f800000)
+
+// Activation types: fp16 or bf16, chosen per kernel instantiation.
+template <typename T> struct Vec2;
+template <> struct Vec2<__half> { using type = __half2; };
+template <> struct Vec2<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// Magic-number dequantization (see kernels.md §4): OR-ing a small unsigned code q into the mantissa of
+// MAGIC gives the exact value MAGIC + q; subtracting MAGIC + z then gives the exact integer q - z.
+// fp16: 0x6400 = 1024 (10 mantissa bits, codes < 1024); bf16: 0x4300 = 128 (7 mantissa bits, codes < 128).
+template <typename T> struct Magic;
+template <> struct Magic<__half> { static constexpr unsigned bits = 0x6400u; };
+template <> struct Magic<__nv_bfloat16> { static constexpr unsigned bits = 0x4300u; };
+
+template <typename T>
+__device__ __forceinline__ typename Vec2<T>::type bits_as_vec2(unsigned v) {
+    return *reinterpret_cast<typename Vec2<T>::type*>(&v);
+}
+
+// A pair of adjacent columns (field & mask | MAGIC), minus (MAGIC + z) in both halves: exact (q - z) values.
+template <typename T>
+__device__ __forceinline__ typename Vec2<T>::type centered_pair(unsigned fields, unsigned magic_minus) {
+    const unsigned magic = Magic<T>::bits | (Magic<T>::bits << 16);
+    return __hsub2(bits_as_vec2<T>(fields | magic), bits_as_vec2<T>(magic_minus));
+}
+
+// Scales are stored as fp16 or bf16 bit patterns regardless of the activation dtype.
+__device__ __forceinline__ float scale_to_float(unsigned short bits, int scale_is_bf16) {
+    return scale_is_bf16 ? __uint_as_float(static_cast<unsigned>(bits) << 16) : __half2float(__ushort_as_half(bits));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Streamed weights: read-only, no L1 allocation (they are used once; activations stay cached).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

@@ -1,0 +1,109 @@
+"""Compile the CUDA C++ kernels of this folder with CuPy (NVRTC) at first use and launch them on PyTorch's stream.
+
+Kernels are compiled once per (file, instantiation) and cached: in memory here, on disk by CuPy (``CUPY_CACHE_DIR``).
+``common.cuh`` is inlined into each source before compiling, so CuPy's disk cache (keyed by the source text) never
+serves a kernel built against an older header. Launches take raw pointers (``np.uint64``), ``np.int32`` and
+``np.float32`` arguments — no per-call array conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+KERNEL_DIR = Path(__file__).parent
+MIN_CAPABILITY = (8, 0)  # bf16 math, cp.async-era GPUs (Ampere, Ada, Hopper, Blackwell)
+
+
+class CudaPathUnavailable(RuntimeError):
+    """The CUDA path cannot run here (no CuPy, no GPU, unsupported GPU)."""
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel failed to compile; the message names it and carries NVRTC's log."""
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as error:
+        raise CudaPathUnavailable(
+            "the CUDA path needs CuPy: pip install 'tinyloop-hf[cuda12]' (CUDA 12 driver) or 'tinyloop-hf[cuda13]' "
+            f"(CUDA 13 driver) ({error})"
+        ) from None
+    return cupy
+
+
+def check_device(device: torch.device | str | None = None) -> None:
+    """Raise CudaPathUnavailable unless ``device`` is a CUDA GPU this path supports and CuPy is importable."""
+    device = torch.device(device or "cuda")
+    if device.type != "cuda":
+        raise CudaPathUnavailable(f"the CUDA path runs on a CUDA device; the model is on {device}")
+    if not torch.cuda.is_available():
+        raise CudaPathUnavailable("the CUDA path needs a CUDA GPU, and torch.cuda.is_available() is False")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        raise CudaPathUnavailable(
+            f"unsupported GPU {name} (sm_{capability[0]}{capability[1]}): the CUDA path needs sm_80 or newer"
+        )
+    _cupy()
+
+
+def source(file: str) -> str:
+    text = (KERNEL_DIR / file).read_text()
+    header = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
+    return text.replace('#include "common.cuh"', header)
+
+
+@functools.cache
+def kernel(file: str, name: str) -> Any:
+    """The compiled function ``name`` (a template instantiation like ``gemv_quant<4, __half, 1, 2, false>``)."""
+    cupy = _cupy()
+    module = cupy.RawModule(code=source(file), options=("--std=c++17",), name_expressions=[name])
+    try:
+        return module.get_function(name)
+    except cupy.cuda.compiler.CompileException as error:
+        raise KernelCompileError(f"kernel {name} ({file}) failed to compile:\n{error.get_message()}") from None
+
+
+class _TorchStream:
+    """CuPy launches accept any object with ``.ptr``: this one is PyTorch's current stream."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+def launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
+    stream = _TorchStream(torch.cuda.current_stream().cuda_stream)
+    fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+
+def ptr(tensor: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if tensor is None else tensor.data_ptr())
+
+
+def i32(value: int) -> np.int32:
+    return np.int32(value)
+
+
+def f32(value: float) -> np.float32:
+    return np.float32(value)
+
+
+CUDA_TYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+
+def cuda_type(dtype: torch.dtype) -> str:
+    try:
+        return CUDA_TYPE[dtype]
+    except KeyError:
+        raise CudaPathUnavailable(
+            f"the CUDA path runs in float16 or bfloat16, got {dtype}: load the model with dtype=torch.bfloat16"
+        ) from None

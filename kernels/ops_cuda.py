@@ -1,0 +1,284 @@
+"""The "cuda" op backend: the model's ops on the kernels of this folder (importing this module registers them).
+
+Decode (up to 32 token rows) runs the low-bit GEMV kernels with QKV in one launch and SwiGLU fused into the
+gate/up launch; prefill dequantizes each weight into a reused buffer and lets cuBLAS do the GEMM; attention writes
+K/V into the paged cache with RoPE in one kernel, then reads pages with the split-KV decode kernel (one query
+token per row) or runs PyTorch's SDPA over contiguous K/V for prompts. Dense (16-bit) linears use cuBLAS.
+Everything a kernel cannot serve raises CudaPathUnavailable with the reason; nothing falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop_hf.ops_tinyloop import REFERENCE, get_op, register_op
+from tinyloop_hf.paged_cache import PAGE_SIZE, PagedTinyLoopCache
+from tinyloop_hf.quant_tinyloop import QuantLinear
+
+from .loader import CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr
+
+CUDA = "cuda"
+GEMV_MAX_ROWS = 32  # token rows served by the GEMV kernels; more rows go through dequantize + cuBLAS
+_THREADS = 128
+_SMEM_LIMIT = 48 * 1024
+
+
+def _check(tensor: torch.Tensor, what: str) -> None:
+    if not tensor.is_cuda:
+        raise CudaPathUnavailable(f"{what} is on {tensor.device}; the CUDA path needs every tensor on the GPU")
+    cuda_type(tensor.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Linear layers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
+    fmt = layers[0].format
+    if any(layer.format != fmt for layer in layers):
+        raise CudaPathUnavailable("fused projections need one quantization format for all of them")
+    rows, K = x.shape
+    sizes = [layer.out_features for layer in layers]
+    out_features = sizes[0] if swiglu else sum(sizes)
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    R = 4 if out_features >= 8192 else 2
+    blocks = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
+    group = fmt.group_width(K)
+    mats = []
+    for index in range(3):
+        if index < len(layers):
+            layer = layers[index]
+            mats += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
+                     ptr(getattr(layer, "zeros", None)), ptr(layer.bias), i32(layer.out_features)]  # fmt: skip
+        else:
+            mats += [ptr(None)] * 5 + [i32(0)]
+    scale_bf16 = i32(int(layers[0].scales.dtype == torch.bfloat16))
+    for start in range(0, rows, 8):
+        chunk = min(8, rows - start)
+        maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
+        name = f"gemv_quant<{fmt.bits}, {cuda_type(x.dtype)}, {maxm}, {R}, {'true' if swiglu else 'false'}>"
+        res = residual[start:] if residual is not None else None
+        args = (ptr(x[start:]), i32(chunk), i32(K), *mats, ptr(res), i32(out_features), ptr(y[start:]),
+                i32(out_features), i32(K), i32(group), i32(fmt.groups(K)), scale_bf16, i32(fmt.midpoint))  # fmt: skip
+        launch(kernel("gemv_quant.cu", name), (blocks,), (_THREADS,), args)
+    return y
+
+
+_DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's weight [N, K] in ``dtype`` (in a buffer reused by every layer of that shape)."""
+    fmt, N, K = layer.format, layer.out_features, layer.in_features
+    key = (N, K, dtype, layer.qweight.device)
+    out = _DEQUANT_BUFFERS.get(key)
+    if out is None:
+        out = _DEQUANT_BUFFERS[key] = torch.empty(N, K, dtype=dtype, device=layer.qweight.device)
+    words = layer.qweight.numel()
+    name = f"dequantize_weight<{fmt.bits}, {cuda_type(dtype)}>"
+    args = (ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
+            ptr(getattr(layer, "zeros", None)), ptr(out), i32(N), i32(K), i32(fmt.group_width(K)),
+            i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
+    launch(kernel("gemv_quant.cu", name), (min(4096, math.ceil(words / 256)),), (256,), args)
+    return out
+
+
+def project(
+    x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] through one or more linears (outputs concatenated), or silu(gate(x)) * up(x) when ``swiglu``."""
+    _check(x, "the activation")
+    x = x.contiguous()
+    quantized = [isinstance(layer, QuantLinear) for layer in layers]
+    if all(quantized) and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
+        return _gemv(x, layers, swiglu, residual)
+    outputs = []
+    for layer in layers:
+        weight = dequantize_weight(layer, x.dtype) if isinstance(layer, QuantLinear) else layer.weight
+        if weight.dtype != x.dtype or not weight.is_cuda:
+            raise CudaPathUnavailable(f"weight of {type(layer).__name__} is {weight.dtype} on {weight.device}")
+        bias = layer.bias.to(x.dtype) if layer.bias is not None else None
+        outputs.append(F.linear(x, weight, bias))
+    y = F.silu(outputs[0]) * outputs[1] if swiglu else torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+    return y + residual if residual is not None else y
+
+
+@register_op("quant_linear", CUDA)
+def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    return project(x.reshape(-1, x.shape[-1]), [layer]).view(*x.shape[:-1], layer.out_features)
+
+
+@register_op("linear", CUDA)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    _check(x, "the activation")
+    return F.linear(x, weight, bias)
+
+
+@register_op("mlp", CUDA)
+def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    hidden = project(rows, [module.gate_proj, module.up_proj], swiglu=True)
+    return project(hidden, [module.down_proj]).view(*x.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Norms
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _norm_launch(name: str, rows: int, hidden: int, args: tuple) -> None:
+    threads = min(1024, max(128, 32 * math.ceil(hidden / 8 / 32)))
+    smem = (hidden + 32) * 4
+    if smem > _SMEM_LIMIT:
+        raise CudaPathUnavailable(f"hidden size {hidden} exceeds the norm kernel's shared memory (max 12256)")
+    launch(kernel("norm.cu", name), (rows,), (threads,), args, shared_mem=smem)
+
+
+@register_op("rms_norm", CUDA)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, "the activation")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    args = (ptr(x), ptr(weight), ptr(out), i32(hidden), f32(eps))
+    _norm_launch(f"rms_norm<{cuda_type(x.dtype)}>", x.numel() // hidden, hidden, args)
+    return out
+
+
+JUNCTION_MODES = {"pre": 0, "sandwich": 1, "post_residual": 2}
+
+
+@register_op("residual_norm", CUDA)
+def residual_norm(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor | None,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check(x, "the residual stream")
+    x, branch = x.contiguous(), branch.contiguous()
+    total = torch.empty_like(x)
+    following = torch.empty_like(x) if next_weight is not None else None
+    hidden = x.shape[-1]
+    args = (ptr(x), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), ptr(following), i32(hidden),
+            f32(eps), i32(JUNCTION_MODES[mode]))  # fmt: skip
+    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}>", x.numel() // hidden, hidden, args)
+    return total, following
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Attention
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@register_op("self_attention", CUDA)
+def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
+    config = module.config
+    batch, steps, _ = x.shape
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
+    qkv = project(x.reshape(batch * steps, -1), [module.q_proj, module.k_proj, module.v_proj])
+    cache = context.cache
+    if cache is not None and not isinstance(cache, PagedTinyLoopCache):
+        raise CudaPathUnavailable(
+            "the CUDA path keeps K/V in a paged cache: pass PagedTinyLoopCache (model.new_cache() makes one) "
+            "or let generate() create it"
+        )
+    query = torch.empty(batch * steps, heads, dim, dtype=x.dtype, device=x.device)
+    contiguous = steps > 1 or cache is None
+    key = torch.empty(batch * steps, kv_heads, dim, dtype=x.dtype, device=x.device) if contiguous else None
+    value = torch.empty_like(key) if contiguous else None
+    pages: tuple[torch.Tensor, ...] = ()
+    if cache is not None:
+        cache.mark_written(slot)
+        pages = cache.storage.slot(slot)
+    int8 = cache is not None and cache.storage.int8
+    storage = cache.storage if cache is not None else None
+    cos, sin = context.cos.contiguous(), context.sin.contiguous()
+    warps = batch * steps * (heads + 2 * kv_heads)
+    layout = 0 if config.rope_layout == "rotate_half" else 1
+    args = (ptr(qkv), ptr(cos), ptr(sin), ptr(query), ptr(pages[0] if pages else None),
+            ptr(pages[1] if pages else None), ptr(pages[2] if int8 else None), ptr(pages[3] if int8 else None),
+            ptr(storage.block_table if storage else None), ptr(cache.step_positions if cache else None), ptr(key),
+            ptr(value), i32(batch * steps), i32(steps), i32(heads), i32(kv_heads), i32(dim),
+            i32(storage.blocks_per_row if storage else 0), i32(layout), i32(int(int8)))  # fmt: skip
+    launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(x.dtype)}>"), (math.ceil(warps / 4),), (128,), args)
+
+    if steps == 1 and cache is not None:
+        out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
+    else:
+        q = query.view(batch, steps, heads, dim).transpose(1, 2)
+        if cache is None or cache.length == 0:
+            k, v = (t.view(batch, steps, kv_heads, dim).transpose(1, 2) for t in (key, value))
+        else:
+            k, v = cache.gather(slot, cache.length + steps, x.dtype)
+        implementation = "eager" if config._attn_implementation == "eager" else "sdpa"
+        # Prompts: PyTorch's fused SDPA over contiguous K/V (compute-bound; the reference op is that call).
+        attended = get_op("attention", REFERENCE)(q, k, v, context.mask, context.is_causal, module.scaling,
+                                                   implementation)  # fmt: skip
+        out = attended.transpose(1, 2).reshape(batch * steps, heads * dim)
+    return project(out.reshape(batch * steps, -1), [module.o_proj]).view(batch, steps, -1)
+
+
+def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: int) -> tuple[int, int]:
+    """(splits, chunk) for paged decode: enough CTAs to fill the GPU, chunks that fit shared memory."""
+    max_chunk = (_SMEM_LIMIT // 4 - group * dim - 2 * group) // group
+    wanted = min(math.ceil(264 / (batch * kv_heads)), math.ceil(capacity / 64))
+    splits = max(1, wanted, math.ceil(capacity / max_chunk))
+    chunk = math.ceil(capacity / splits / PAGE_SIZE) * PAGE_SIZE
+    return math.ceil(capacity / chunk), chunk
+
+
+def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float) -> torch.Tensor:
+    """query [B, Hq, D] (one new token per row, already in the cache) -> attention output [B, Hq * D]."""
+    storage = cache.storage
+    batch, heads, dim = query.shape
+    kv_heads = storage.kv_heads
+    group = heads // kv_heads
+    if group > 8 or dim > 256:
+        raise CudaPathUnavailable(f"paged decode supports up to 8 query heads per KV head and head_dim <= 256, "
+                                  f"got {group} and {dim}")  # fmt: skip
+    splits, chunk = decode_partition(batch, kv_heads, group, dim, storage.capacity)
+    out = torch.empty(batch, heads, dim, dtype=query.dtype, device=query.device)
+    partial_o = partial_ml = None
+    if splits > 1:
+        partial_o = torch.empty(batch * heads * splits * dim, dtype=torch.float32, device=query.device)
+        partial_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=query.device)
+    int8 = storage.int8
+    type_name = cuda_type(query.dtype)
+    args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
+            ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
+            ptr(out), ptr(partial_o), ptr(partial_ml), i32(heads), i32(kv_heads), i32(dim),
+            i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
+    smem = (group * dim + group * chunk + 2 * group) * 4
+    name = f"paged_decode<{type_name}, {int(int8)}>"
+    launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
+    if splits > 1:
+        merge = kernel("paged_attention.cu", f"merge_splits<{type_name}>")
+        launch(merge, (batch * heads,), (128,), (ptr(partial_o), ptr(partial_ml), ptr(out), i32(splits), i32(dim)))
+    return out.view(batch, heads * dim)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, seed: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row of logits [B, V]: argmax (temperature 0) or an exact softmax(logits / T) draw by the
+    Gumbel-max trick with noise from ``seed`` (uint64 scalar tensor on the GPU)."""
+    _check(logits, "the logits")
+    logits = logits.contiguous()
+    if temperature > 0 and seed is None:
+        raise ValueError("sampling with temperature > 0 needs a seed tensor")
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    args = (ptr(logits), ptr(tokens), i32(logits.shape[-1]), ptr(seed), f32(temperature))
+    launch(kernel("sampling.cu", f"sample_tokens<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (512,), args)
+    return tokens

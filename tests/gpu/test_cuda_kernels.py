@@ -1,0 +1,175 @@
+"""Every CUDA kernel against the reference path (skipped cleanly without a GPU).
+
+Run them all on the device with:  python -m pytest -q tests/gpu
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinyloop_hf import QuantFormat, QuantLinear
+from tinyloop_hf.ops_tinyloop import REFERENCE, get_op
+from tinyloop_hf.quant_tinyloop import quantize_rtn
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy") if torch.cuda.is_available() else None
+if torch.cuda.is_available():
+    from tinyloop_hf.kernels import ops_cuda
+    from tinyloop_hf.kernels.loader import KernelCompileError, kernel
+
+DTYPES = [torch.float16, torch.bfloat16]
+# Relative tolerance of a low-bit GEMV against the fp32 product of the same (dequantized) weights.
+GEMV_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _quant_layer(out_features, in_features, fmt, seed=0, bias=False):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    layer = QuantLinear(in_features, out_features, bias, fmt)
+    layer.load_packed(quantize_rtn(weight, fmt))
+    if bias:
+        layer.bias.data = torch.randn(out_features, generator=generator) * 0.1
+    return layer.cuda()
+
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [32, 128, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 256), (100, 576), (40, 224)])
+def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shape):
+    fmt = QuantFormat(
+        bits=bits, group_size=group, symmetric=symmetric, scale_dtype="bfloat16" if bits == 4 else "float16"
+    )
+    layer = _quant_layer(*shape, fmt, seed=bits, bias=True).to(dtype)
+    weight = layer.dequantized_weight()
+    for rows in (1, 3, 8, 20):
+        x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
+        expected = x.float() @ weight.T + layer.bias.float()
+        actual = ops_cuda.project(x, [layer])
+        assert actual.dtype == dtype and actual.shape == (rows, shape[0])
+        assert _relative_error(actual, expected) <= GEMV_TOLERANCE[dtype], rows
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype):
+    fmt = QuantFormat(bits=bits, group_size=64)
+    layer = _quant_layer(80, 320, fmt).to(dtype)
+    assert torch.equal(ops_cuda.dequantize_weight(layer, dtype), layer.dequantized_weight().to(dtype))
+    x = torch.randn(2, 40, 320, device="cuda", dtype=dtype)  # 80 rows: the dequantize + cuBLAS path
+    assert torch.equal(get_op("quant_linear", "cuda")(x, layer), get_op("quant_linear", REFERENCE)(x, layer))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_qkv_and_swiglu(dtype):
+    fmt = QuantFormat(bits=4, group_size=64)
+    q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
+    x = torch.randn(3, 256, device="cuda", dtype=dtype)
+    fused = ops_cuda.project(x, [q, k, v])
+    assert torch.equal(fused, torch.cat([ops_cuda.project(x, [layer]) for layer in (q, k, v)], dim=-1))
+    gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
+    swiglu = ops_cuda.project(x, [gate, up], swiglu=True)
+    expected = F.silu(ops_cuda.project(x, [gate])) * ops_cuda.project(x, [up])
+    assert _relative_error(swiglu, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["pre", "sandwich", "post_residual"])
+def test_norm_kernels_match_reference(dtype, mode):
+    x, branch = (torch.randn(5, 3, 2048, device="cuda", dtype=dtype) * 3 for _ in range(2))
+    w_branch, w_next = (torch.rand(2048, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
+    reference = get_op("residual_norm", REFERENCE)(x, branch, w_branch, w_next, 1e-6, mode)
+    actual = ops_cuda.residual_norm(x, branch, w_branch, w_next, 1e-6, mode)
+    for got, want in zip(actual, reference, strict=True):
+        assert _relative_error(got, want) <= (1e-2 if dtype == torch.bfloat16 else 2e-3)
+    assert torch.equal(ops_cuda.residual_norm(x, branch, None, None, 1e-6, "pre")[0], x + branch)
+    normed = ops_cuda.rms_norm(x, w_next, 1e-6)
+    assert _relative_error(normed, get_op("rms_norm", REFERENCE)(x, w_next, 1e-6)) <= 1e-2
+
+
+def _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8):
+    from tinyloop_hf.paged_cache import PagedStorage
+
+    storage = PagedStorage(batch, capacity, kv_heads, dim, dtype, int8, torch.device("cuda"))
+    pages = storage.slot(0)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    if int8:
+        for tensor in pages[:2]:
+            tensor.copy_(torch.randint(-127, 128, tensor.shape, device="cuda", generator=generator))
+        for tensor in pages[2:]:
+            tensor.copy_(torch.rand(tensor.shape, device="cuda", generator=generator) * 0.02 + 0.001)
+    else:
+        for tensor in pages:
+            tensor.copy_(torch.randn(tensor.shape, device="cuda", generator=generator, dtype=dtype))
+    # Shuffle the block table: pages need not be in order.
+    storage.block_table.copy_(storage.block_table.flatten()[torch.randperm(storage.block_table.numel())].view_as(
+        storage.block_table))  # fmt: skip
+    return storage, pages
+
+
+class _Cache:
+    """The two attributes paged_decode reads from a cache."""
+
+    def __init__(self, storage):
+        self.storage = storage
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize(
+    "batch,kv_heads,group,dim,capacity", [(1, 16, 1, 128, 2048), (3, 2, 4, 64, 300), (2, 1, 8, 128, 64)]
+)
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity):
+    from tinyloop_hf.paged_cache import PAGE_SIZE
+
+    storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
+    lengths = torch.tensor([capacity - 7 * b for b in range(batch)], dtype=torch.int32)
+    starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
+    storage.lengths.copy_(lengths)
+    storage.starts.copy_(starts)
+    query = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=dtype)
+    scale = dim**-0.5
+    out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim)
+    assert ops_cuda.decode_partition(batch, kv_heads, group, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
+    for b in range(batch):
+        length, start = int(lengths[b]), int(starts[b])
+        blocks = storage.block_table[b, : math.ceil(length / PAGE_SIZE)].long()
+        kv = []
+        for index in range(2):
+            paged = pages[index][blocks].float()
+            if int8:
+                paged = paged * pages[index + 2][blocks][..., None]
+            kv.append(paged.permute(1, 0, 2, 3).flatten(1, 2)[:, start:length])  # [Hkv, T, D]
+        k, v = (t.repeat_interleave(group, 0) for t in kv)
+        weights = torch.softmax((query[b].float()[:, None] @ k.transpose(1, 2)) * scale, dim=-1)
+        expected = (weights @ v)[:, 0]
+        assert _relative_error(out[b], expected) <= 1e-2
+
+
+def test_sampling_kernel_greedy_and_gumbel():
+    logits = torch.randn(7, 49152, device="cuda", dtype=torch.bfloat16)
+    logits[3, 100] = logits[3, 200] = logits[3].max() + 1  # a tie: the lowest index wins, as torch.argmax
+    assert torch.equal(ops_cuda.sample_tokens(logits), logits.float().argmax(-1))
+    probabilities = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    rows = probabilities.log().to(torch.float16).cuda().repeat(40000, 1)
+    seed = torch.tensor([1234], dtype=torch.int64, device="cuda")
+    draws = ops_cuda.sample_tokens(rows, temperature=1.0, seed=seed)
+    frequencies = torch.bincount(draws, minlength=4).float() / len(draws)
+    assert (frequencies.cpu() - probabilities).abs().max() < 0.01
+    seed += 1
+    assert not torch.equal(ops_cuda.sample_tokens(rows, temperature=1.0, seed=seed), draws)
+
+
+def test_compile_error_names_the_kernel():
+    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false>.*\n"):
+        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false>")

@@ -1,0 +1,145 @@
+"""The CUDA path end to end: same logits and tokens as the reference path, CUDA-graph decode inside generate()
+with HF semantics, and the reference fixtures' greedy tokens (skipped cleanly without a GPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+from helpers import REFERENCE, VARIANTS, tiny_model
+from tinyloop_hf import PagedTinyLoopCache, TinyLoopCache, TinyLoopQuantConfig
+from tinyloop_hf.convert import build_model, read_source
+from tinyloop_hf.convert.quantize import quantize_model
+
+pytestmark = pytest.mark.gpu
+if torch.cuda.is_available():
+    pytest.importorskip("cupy")
+
+IDS = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(4))
+
+
+def _pair(variant, quant=None, dtype=torch.float16, **overrides):
+    """(reference-path model, CUDA-path model) with the same weights on the GPU."""
+    model = tiny_model(variant, hidden_size=64, intermediate_size=128, **overrides)
+    if quant is not None:
+        quantize_model(model, quant, progress=False)
+    reference = model.to("cuda", dtype)
+    fast = copy.deepcopy(reference).use_cuda_path()
+    return reference, fast
+
+
+def _decode_logits(model, ids, prompt, cache):
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(steps, 1)
+
+
+QUANTS = {
+    "fp16": None,
+    "int4-g32": TinyLoopQuantConfig(bits=4, group_size=32),
+    "int8": TinyLoopQuantConfig(bits=8, group_size=None),
+    "int2-g32-head8": TinyLoopQuantConfig(bits=2, group_size=32, components={"lm_head": {"bits": 8}}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("quant", sorted(QUANTS))
+def test_cuda_path_matches_reference_path(variant, quant):
+    reference, fast = _pair(variant, QUANTS[quant])
+    ids = IDS.cuda()
+    with torch.no_grad():
+        want, got = reference(ids).logits, fast(ids).logits
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= 5e-3 * scale  # prefill: dequantize + cuBLAS, fused norms
+    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    got = _decode_logits(fast, ids, 6, fast.new_cache())
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * scale  # decode: GEMV, paged attention
+
+
+def test_int8_kv_cache_stays_close():
+    reference, fast = _pair("ouro")
+    fast.use_cuda_path(kv_cache_dtype="int8")
+    ids = IDS.cuda()
+    cache = fast.new_cache()
+    assert isinstance(cache, PagedTinyLoopCache) and cache.kv_dtype == "int8"
+    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    got = _decode_logits(fast, ids, 6, cache)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
+    fp16_bytes = 2 * fast.config.num_key_value_heads * fast.config.head_dim * 2
+    assert cache.bytes_per_token() == len(cache.storage.pages) * (
+        fp16_bytes // 2 + 2 * fast.config.num_key_value_heads * 4
+    )
+
+
+@pytest.mark.parametrize("variant", ["ouro", "huginn", "llama"])
+def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant):
+    _, fast = _pair(variant, QUANTS["int4-g32"])
+    eager = copy.deepcopy(fast).use_cuda_path(cuda_graphs=False)
+    ids = IDS.cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = eager.generate(ids, **kwargs)
+    got = fast.generate(ids, **kwargs)
+    assert torch.equal(got, want)
+    assert len(fast._cuda_path.graphs) == 1  # captured once ...
+    again = fast.generate(ids, **kwargs)  # ... and replayed by the next call (storage reused)
+    assert torch.equal(again, want) and len(fast._cuda_path.graphs) == 1
+    for row in range(ids.shape[0]):  # each left-padded row equals that row alone
+        alone = fast.generate(ids[row : row + 1, mask[row].bool()], max_new_tokens=12, do_sample=False)
+        assert torch.equal(alone[0, -12:], want[row, -12:])
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **_):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 26, device=input_ids.device)
+
+    output = fast.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter()]), return_dict_in_generate=True,
+                           output_scores=True, **kwargs)  # fmt: skip
+    assert output.sequences.shape[1] == 26 and len(output.scores) == 6
+    assert torch.equal(output.sequences, want[:, :26])
+
+
+def test_streamer_and_sampling_through_generate(tokenizer):
+    _, fast = _pair("ouro", QUANTS["int4-g32"])
+    ids = IDS[:1].cuda()
+    streamer = TextIteratorStreamer(tokenizer)
+    out = fast.generate(ids, max_new_tokens=10, do_sample=False, streamer=streamer)
+    assert "".join(streamer) == tokenizer.decode(out[0])
+    torch.manual_seed(0)
+    first = fast.generate(ids, max_new_tokens=10, do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    assert torch.equal(fast.generate(ids, max_new_tokens=10, do_sample=True, top_k=20), first)
+
+
+def test_beam_search_on_the_cuda_path():
+    reference, fast = _pair("huginn")
+    ids = IDS[:2, :8].cuda()
+    kwargs = dict(max_new_tokens=6, num_beams=3, do_sample=False)
+    assert torch.equal(fast.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("name,loops", [("ouro-tiny", 4), ("ouro-tiny", 2), ("huginn-tiny", 6), ("huginn-tiny", 1)])
+def test_reference_fixture_greedy_tokens(name, loops):
+    reference = load_file(str(REFERENCE / name / "reference.safetensors"))
+    model = build_model(read_source(REFERENCE / name)).to("cuda", torch.float16).use_cuda_path()
+    suffix = f"_ut{loops}" if name.startswith("ouro") else f"_steps{loops}"
+    output = model.generate(reference["prompt_ids"].cuda(), num_loops=loops, max_new_tokens=16, do_sample=False,
+                            eos_token_id=None)  # fmt: skip
+    assert torch.equal(output.cpu(), reference[f"greedy_tokens{suffix}"])
+
+
+def test_cuda_path_refuses_fp32_and_unpaged_caches():
+    from tinyloop_hf.kernels.loader import CudaPathUnavailable
+
+    model = tiny_model("ouro").cuda()
+    with pytest.raises(CudaPathUnavailable, match="bfloat16"):
+        model.use_cuda_path()
+    model = model.half().use_cuda_path()
+    with pytest.raises(CudaPathUnavailable, match="paged cache"):
+        model(IDS.cuda(), past_key_values=TinyLoopCache(model.config), use_cache=True)

@@ -1,0 +1,119 @@
+"""Paged mode of TinyLoopCache on the reference path: the page layout, INT8 KV and the bookkeeping the CUDA kernels
+rely on, checked on the CPU against the plain cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import VARIANTS, tiny_model
+from tinyloop_hf import PagedTinyLoopCache, TinyLoopCache
+from tinyloop_hf.compat import GENERATE_CACHE_KEY
+from tinyloop_hf.paged_cache import PAGE_SIZE, quantize_kv
+
+IDS = torch.randint(1, 256, (2, 21), generator=torch.Generator().manual_seed(5))
+
+
+def _decode(model, cache, ids, prompt, **kwargs):
+    with torch.no_grad():
+        logits = [model(ids[:, :prompt], past_key_values=cache, use_cache=True, **kwargs).logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kwargs).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_paged_cache_equals_plain_cache(variant):
+    model = tiny_model(variant)
+    plain = _decode(model, TinyLoopCache(model.config), IDS, 5)
+    cache = PagedTinyLoopCache(model.config, capacity=8)  # grows past its capacity on the way
+    paged = _decode(model, cache, IDS, 5)
+    assert torch.equal(plain, paged)
+    assert cache.get_seq_length() == IDS.shape[1] and cache.storage.capacity >= IDS.shape[1]
+    slots = len(cache.storage.pages)
+    assert cache.bytes_per_token() == slots * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+
+
+def test_pages_follow_the_block_table():
+    model = tiny_model("ouro")
+    cache = PagedTinyLoopCache(model.config, capacity=40)
+    with torch.no_grad():
+        model(IDS, past_key_values=cache, use_cache=True)
+    storage = cache.storage
+    assert storage.block_table.shape == (2, 3) and storage.block_table.dtype == torch.int32
+    keys, values = cache.gather(0, IDS.shape[1], torch.float32)
+    position = 17
+    page = storage.block_table[1, position // PAGE_SIZE]
+    assert torch.equal(storage.slot(0)[0][page, :, position % PAGE_SIZE], keys[1, :, position])
+    assert torch.equal(storage.slot(0)[1][page, :, position % PAGE_SIZE], values[1, :, position])
+
+
+def test_int8_kv_rounds_per_token_and_head_and_stays_close():
+    states = torch.randn(3, 5, 2, 16)
+    codes, scales = quantize_kv(states)
+    assert codes.dtype == torch.int8 and scales.shape == (3, 5, 2)
+    assert torch.equal(codes.abs().amax(-1), torch.full((3, 5, 2), 127, dtype=torch.int8))
+    assert (codes.float() * scales[..., None] - states).abs().max() <= scales.max() / 2 + 1e-6
+    model = tiny_model("ouro")
+    plain = _decode(model, TinyLoopCache(model.config), IDS, 5)
+    cache = PagedTinyLoopCache(model.config, kv_dtype="int8")
+    quantized = _decode(model, cache, IDS, 5)
+    assert 0 < (quantized - plain).abs().max() < 0.05 * plain.abs().max()
+    assert cache.bytes_per_token() == len(cache.storage.pages) * 2 * model.config.num_key_value_heads * (
+        model.config.head_dim + 4
+    )
+
+
+def test_left_padding_and_beam_search_match_the_plain_cache():
+    model = tiny_model("huginn")
+    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    with torch.no_grad():
+        plain = model.generate(ids, **{GENERATE_CACHE_KEY: TinyLoopCache(model.config)}, **kwargs)
+        paged = model.generate(ids, **{GENERATE_CACHE_KEY: PagedTinyLoopCache(model.config)}, **kwargs)
+    assert torch.equal(plain, paged)
+
+
+def test_holes_in_the_mask_and_depth_changes_are_refused():
+    model = tiny_model("ouro")
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[0, 4] = 0
+    with pytest.raises(ValueError, match="left padding only"):
+        model(IDS, attention_mask=mask, past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
+    cache = PagedTinyLoopCache(model.config)
+    with torch.no_grad():
+        model(IDS[:, :4], past_key_values=cache, use_cache=True, num_loops=2)
+        with pytest.raises(ValueError, match="fewer loops"):
+            model(IDS[:, 4:5], past_key_values=cache, use_cache=True, num_loops=3)
+
+
+def test_crop_and_batch_select():
+    model = tiny_model("llama")
+    cache = PagedTinyLoopCache(model.config)
+    with torch.no_grad():
+        model(IDS[:, :10], past_key_values=cache, use_cache=True)
+        cache.crop(-3)
+        resumed = model(IDS[:, 7:9], past_key_values=cache, use_cache=True).logits
+        full = model(IDS[:, :9]).logits
+    assert torch.allclose(resumed, full[:, 7:], atol=1e-5)
+    cache.batch_select_indices(torch.tensor([1]))
+    with torch.no_grad():
+        step = model(IDS[1:, 9:10], past_key_values=cache, use_cache=True).logits
+        full = model(IDS[1:, :10]).logits
+    assert torch.allclose(step, full[:, 9:], atol=1e-5)
+
+
+def test_bad_kv_dtype_names_the_choices():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8'\]"):
+        PagedTinyLoopCache(tiny_model("ouro").config, kv_dtype="fp8")
+
+
+def test_cuda_path_without_a_gpu_fails_clearly():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from tinyloop_hf.kernels.loader import CudaPathUnavailable
+
+    with pytest.raises(CudaPathUnavailable, match="CUDA device|CuPy"):
+        tiny_model("ouro").use_cuda_path()

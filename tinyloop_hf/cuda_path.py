@@ -1,0 +1,156 @@
+"""The CUDA path of a model: paged caches whose storage is reused between generate() calls, and CUDA-graph decode.
+
+``model.use_cuda_path()`` creates a CudaPath. Decode steps (one new token per row) that ``generate()`` sends to
+``forward`` are replayed from a CUDA graph: the first step of a (batch size, loop count, cache storage) key runs
+eagerly (it compiles kernels and warms cuBLAS), the second captures the whole step — every loop, every layer, the
+head — and every later step copies its inputs into the graph's static buffers and replays it. The graph reads
+sequence lengths and cache positions from device memory, which the cache updates before each replay, so nothing
+about the step is frozen except shapes. Everything else generate() does (logits processors, stopping criteria,
+streamers, return types) is untouched: the graph only replaces the forward call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .compat import graph_capturing
+from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype
+
+MIN_CAPACITY = 128
+
+
+def capacity_bucket(tokens: int) -> int:
+    """Round a capacity up to a power of two so successive generate() calls share storage and graphs."""
+    return max(MIN_CAPACITY, 1 << (max(tokens, 1) - 1).bit_length())
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logits: torch.Tensor
+    slots: list[int]
+
+
+class CudaPath:
+    def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool) -> None:
+        from .kernels import ops_cuda  # noqa: F401  (registers the "cuda" ops)
+        from .kernels.loader import CudaPathUnavailable, check_device
+
+        parameter = next(model.parameters())
+        check_device(parameter.device)
+        if model.dtype not in (torch.float16, torch.bfloat16):
+            raise CudaPathUnavailable(
+                f"the CUDA path runs float16 or bfloat16 models, this one is {model.dtype}: "
+                f"load it with dtype=torch.bfloat16 (or call model.to(torch.bfloat16))"
+            )
+        self.model = model
+        self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
+        self.storages: dict[tuple, PagedStorage] = {}
+        self.graphs: dict[tuple, _Graph] = {}
+        self.warmed: set[tuple] = set()
+        self.use_graphs = cuda_graphs
+        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+
+    # -- caches ------------------------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int | None) -> PagedTinyLoopCache:
+        return PagedTinyLoopCache(
+            self.model.config,
+            capacity=capacity_bucket(capacity or MIN_CAPACITY),
+            kv_dtype=self.kv_cache_dtype,
+            storage_provider=self.storage,
+        )
+
+    def storage(self, **kwargs: Any) -> PagedStorage:
+        """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time)."""
+        kwargs["capacity"] = capacity_bucket(kwargs["capacity"])
+        key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
+        if key not in self.storages:
+            self.storages[key] = PagedStorage(**kwargs)
+        return self.storages[key]
+
+    # -- CUDA-graph decode -------------------------------------------------------------------------------------------
+
+    def graph_key(self, input_ids: Any, cache: Any, arguments: dict[str, Any]) -> tuple | None:
+        """The key of a decode step a graph can serve, or None (the step then runs eagerly, on the same kernels)."""
+        if not self.use_graphs or graph_capturing() or torch.is_grad_enabled():
+            return None
+        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            return None
+        if not isinstance(cache, PagedTinyLoopCache) or cache.storage is None or cache.length == 0:
+            return None
+        if cache.length + 1 > cache.storage.capacity:
+            return None
+        config = self.model.config
+        loops = arguments.get("num_loops")
+        loops = config.num_loops if loops is None else loops
+        if not isinstance(loops, int) or isinstance(loops, bool):
+            return None
+        plain = (
+            arguments.get("inputs_embeds") is None
+            and arguments.get("labels") is None
+            and arguments.get("exit_threshold") is None
+            and config.exit_threshold is None
+            and arguments.get("exit_at_step") is None
+            and not arguments.get("use_weighted_exit")
+            and not arguments.get("output_hidden_states")
+            and arguments.get("logits_to_keep") in (0, 1)
+        )
+        if not plain:
+            return None
+        return (input_ids.shape[0], loops, id(cache.storage), cache.storage.capacity)
+
+    def decode(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
+        """Run one decode step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
+        if key not in self.graphs:
+            if key not in self.warmed:
+                self.warmed.add(key)
+                return None
+            self.graphs[key] = self._capture(key, input_ids, cache)
+        entry = self.graphs[key]
+        config = self.model.config
+        if cache.length >= config.max_position_embeddings:
+            raise ValueError(
+                f"position {cache.length} is beyond the context of this model "
+                f"(TinyLoopConfig.max_position_embeddings={config.max_position_embeddings})"
+            )
+        entry.input_ids.copy_(input_ids)
+        entry.position_ids.copy_(self._positions(input_ids, attention_mask, position_ids, cache))
+        cache.begin_step(input_ids.shape[0], 1, None, entry.logits)
+        for slot in entry.slots:
+            cache.mark_written(slot)
+        entry.graph.replay()
+        cache.end_step()
+        return entry.logits.clone()
+
+    @staticmethod
+    def _positions(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> torch.Tensor:
+        if position_ids is not None:
+            return position_ids[:, -1:]
+        if attention_mask is not None:
+            return attention_mask.long().sum(-1, keepdim=True) - 1
+        return torch.full_like(input_ids, cache.length)
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
+        static_ids = input_ids.clone()
+        static_positions = torch.full_like(input_ids, cache.length)
+        length, slot_lengths = cache.length, dict(cache.slot_lengths)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model(
+                input_ids=static_ids,
+                position_ids=static_positions,
+                past_key_values=cache,
+                use_cache=True,
+                num_loops=key[1],
+                logits_to_keep=1,
+            ).logits
+        slots = sorted(slot for slot, held in cache.slot_lengths.items() if held != slot_lengths.get(slot))
+        cache.length, cache.slot_lengths = length, slot_lengths  # the capture ran nothing
+        return _Graph(graph, static_ids, static_positions, logits, slots)

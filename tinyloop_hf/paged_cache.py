@@ -1,0 +1,291 @@
+"""Paged mode of TinyLoopCache: K/V in 16-token pages addressed through a block table, bf16/fp16 or INT8 KV.
+
+Layout (shared with kernels/rope_kv_append.cu and kernels/paged_attention.cu):
+  pages  K, V: [blocks, H_kv, 16, D] per slot (model dtype, or int8)
+  scales K, V: [blocks, H_kv, 16] fp32 per slot when INT8 (one scale per token and KV head: max|x| / 127)
+  block_table: int32 [B, blocks_per_row]; token p of row b lives in page block_table[b, p // 16], row p % 16.
+Every slot (prelude/coda layer, loop x loop-block layer) shares the block table and the sequence bookkeeping, so
+one table serves all of them. Rows get their blocks from one pool in row order; beam reorder and batch selection
+copy page contents in place, so buffers never move and a captured CUDA graph stays valid.
+
+The reference path runs on this cache too (``update`` writes pages with torch ops and returns the gathered K/V), which
+makes the layout and the INT8 rounding testable on a CPU; the CUDA path's kernels read and write the same pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache_tinyloop import TinyLoopCache
+from .compat import graph_capturing
+from .configuration_tinyloop import TinyLoopConfig
+
+PAGE_SIZE = 16
+KV_DTYPES = ("auto", "int8")
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {list(KV_DTYPES)} ('auto' = the model dtype), got {kv_dtype!r}"
+        )
+    return kv_dtype
+
+
+@dataclass
+class PagedStorage:
+    """Device buffers of a paged cache for ``batch`` rows of up to ``capacity`` tokens (reusable across caches)."""
+
+    batch: int
+    capacity: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    int8: bool
+    device: torch.device
+    pages: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # slot -> (k, v[, k_scale, v_scale])
+
+    def __post_init__(self) -> None:
+        self.blocks_per_row = math.ceil(self.capacity / PAGE_SIZE)
+        blocks = torch.arange(self.batch * self.blocks_per_row, dtype=torch.int32, device=self.device)
+        self.block_table = blocks.view(self.batch, self.blocks_per_row)
+        # Per-step metadata in device memory (graph-safe): decode positions, lengths, first valid position.
+        self.decode_positions = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+        self.starts = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+
+    def slot(self, index: int) -> tuple[torch.Tensor, ...]:
+        if index not in self.pages:
+            shape = (self.batch * self.blocks_per_row, self.kv_heads, PAGE_SIZE, self.head_dim)
+            dtype = torch.int8 if self.int8 else self.dtype
+            tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
+            if self.int8:
+                tensors += [torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
+            self.pages[index] = tuple(tensors)
+        return self.pages[index]
+
+    def bytes_per_token_per_slot(self) -> int:
+        element = 1 if self.int8 else torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.kv_heads * (self.head_dim * element + (4 if self.int8 else 0))
+
+
+class PagedTinyLoopCache(TinyLoopCache):
+    """TinyLoopCache in paged mode. ``capacity``: tokens per row reserved up front (grows when exceeded, except while
+    a CUDA graph uses the storage); ``kv_dtype``: "auto" (model dtype) or "int8"."""
+
+    def __init__(
+        self,
+        config: TinyLoopConfig,
+        capacity: int = 256,
+        kv_dtype: str = "auto",
+        storage_provider: Any = None,
+    ) -> None:
+        super().__init__(config)
+        self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.capacity = capacity
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.storage: PagedStorage | None = None
+        self._provider = storage_provider or PagedStorage
+        self.length = 0  # tokens cached (every written slot holds the same positions)
+        self.slot_lengths: dict[int, int] = {}
+        self.step_positions: torch.Tensor | None = None  # int32 [B * S] cache positions of the step's tokens
+        self.step_tokens = 0
+
+    # -- sequence bookkeeping ---------------------------------------------------------------------------------------
+
+    def begin_step(self, batch: int, new_tokens: int, attention_mask: torch.Tensor | None, like: torch.Tensor) -> None:
+        """Called by the model before its layers run: reserve room and fill the step's device metadata."""
+        needed = self.length + new_tokens
+        if graph_capturing():  # a graph capture: the replayer fills the metadata
+            self.step_positions, self.step_tokens = self.storage.decode_positions, new_tokens
+            return
+        if self.storage is None or self.storage.batch != batch or needed > self.storage.capacity:
+            self._allocate(batch, max(needed, self.capacity), like)
+        storage = self.storage
+        if new_tokens == 1:
+            storage.decode_positions.fill_(self.length)
+            self.step_positions = storage.decode_positions
+        else:
+            positions = torch.arange(self.length, needed, dtype=torch.int32, device=like.device)
+            self.step_positions = positions.repeat(batch)
+        storage.lengths.fill_(needed)
+        if attention_mask is not None:
+            self._set_starts(attention_mask)
+        elif self.length == 0:
+            storage.starts.zero_()
+        self.step_tokens = new_tokens
+
+    def _set_starts(self, attention_mask: torch.Tensor) -> None:
+        """First attended position of each row; only left padding can be expressed (checked)."""
+        mask = attention_mask.to(device=self.storage.device, dtype=torch.int32)
+        starts = (mask.cumsum(-1) == 0).sum(-1).to(torch.int32)
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        expected = (positions[None] >= starts[:, None]).to(torch.int32)
+        if not torch.equal(mask, expected):
+            raise ValueError(
+                "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
+                "this attention_mask has zeros after the first one"
+            )
+        self.storage.starts.copy_(starts)
+
+    def end_step(self) -> None:
+        self.length += self.step_tokens
+        self.step_tokens = 0
+
+    def mark_written(self, slot: int, past_length: int | None = None) -> None:
+        held = self.slot_lengths.get(slot, 0)
+        if held != self.length or (past_length is not None and past_length != self.length):
+            raise ValueError(
+                f"TinyLoopCache slot {self.describe_slot(slot)} holds {held} tokens but the cache holds {self.length}: "
+                f"earlier tokens were run with fewer loops than this call's num_loops. Keep num_loops fixed while a "
+                f"cache is in use, or start a new cache."
+            )
+        self.slot_lengths[slot] = self.length + self.step_tokens
+
+    def _allocate(self, batch: int, capacity: int, like: torch.Tensor) -> None:
+        old = self.storage
+        self.storage = self._provider(
+            batch=batch,
+            capacity=capacity,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=like.dtype,
+            int8=self.kv_dtype == "int8",
+            device=like.device,
+        )
+        if old is not None and self.length:
+            if old.batch != batch:
+                raise ValueError(f"the batch changed from {old.batch} to {batch} rows while the cache holds tokens")
+            for slot, tensors in old.pages.items():
+                for new, previous in zip(self.storage.slot(slot), tensors, strict=True):
+                    _row_view(new, batch)[:, : old.blocks_per_row].copy_(_row_view(previous, batch))
+            self.storage.starts.copy_(old.starts)
+
+    # -- reference-path read/write ------------------------------------------------------------------------------------
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        past_length: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write K/V [B, H_kv, S, D] of this step into the slot's pages; return the slot's whole K/V (dequantized)."""
+        self.mark_written(layer_idx, past_length)
+        tensors = self.storage.slot(layer_idx)
+        batch, _, steps, _ = key_states.shape
+        positions = torch.arange(self.length, self.length + steps, device=key_states.device)
+        blocks = self.storage.block_table[:, positions // PAGE_SIZE].long()  # [B, S]
+        rows = positions % PAGE_SIZE
+        for index, states in enumerate((key_states, value_states)):
+            states = states.transpose(1, 2)  # [B, S, H, D]
+            if self.storage.int8:
+                values, scales = quantize_kv(states)
+                tensors[index][blocks, :, rows[None].expand_as(blocks)] = values
+                tensors[index + 2][blocks, :, rows[None].expand_as(blocks)] = scales
+            else:
+                tensors[index][blocks, :, rows[None].expand_as(blocks)] = states.to(tensors[index].dtype)
+        total = self.length + steps
+        return self.gather(layer_idx, total, key_states.dtype)
+
+    def gather(self, slot: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of positions [0, length) of every row as [B, H_kv, length, D] in ``dtype``."""
+        tensors = self.storage.slot(slot)
+        blocks = self.storage.block_table[:, : math.ceil(length / PAGE_SIZE)].long()  # [B, nb]
+        out = []
+        for index in range(2):
+            pages = tensors[index][blocks]  # [B, nb, H, 16, D]
+            if self.storage.int8:
+                pages = pages.float() * tensors[index + 2][blocks][..., None]
+            flat = pages.permute(0, 2, 1, 3, 4).flatten(2, 3)[:, :, :length]
+            out.append(flat.to(dtype))
+        return out[0], out[1]
+
+    # -- Cache API ---------------------------------------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.length + query_length, 0
+
+    def loops_cached(self) -> int:
+        loop_slots = [s for s in self.slot_lengths if s >= self.num_prelude_layers + self.num_coda_layers]
+        return len(loop_slots) // self.num_loop_layers
+
+    def crop(self, tokens_to_remove: int) -> None:
+        keep = self.length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.length)
+        if keep < 0:
+            raise ValueError(f"cannot crop {-tokens_to_remove} tokens from a cache holding {self.length}")
+        self.length = keep
+        self.slot_lengths = {slot: min(held, keep) for slot, held in self.slot_lengths.items()}
+
+    def reset(self) -> None:
+        self.length, self.slot_lengths = 0, {}
+
+    def _map_rows(self, index: torch.Tensor) -> None:
+        """Row b takes the contents of row index[b] (same batch size: in place, buffers keep their addresses)."""
+        if self.storage is None:
+            return
+        index = index.to(self.storage.device)
+        for tensors in self.storage.pages.values():
+            for tensor in tensors:
+                view = _row_view(tensor, self.storage.batch)
+                view.copy_(view.index_select(0, index))
+        self.storage.starts.copy_(self.storage.starts.index_select(0, index))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_rows(beam_idx)
+
+    def _rebuild(self, index: torch.Tensor) -> None:
+        old = self.storage
+        if old is None:
+            return
+        index = index.to(old.device)
+        self.storage = self._provider(
+            batch=len(index), capacity=old.capacity, kv_heads=old.kv_heads, head_dim=old.head_dim,
+            dtype=old.dtype, int8=old.int8, device=old.device,
+        )  # fmt: skip
+        for slot, tensors in old.pages.items():
+            for new, previous in zip(self.storage.slot(slot), tensors, strict=True):
+                _row_view(new, len(index)).copy_(_row_view(previous, old.batch).index_select(0, index))
+        self.storage.starts.copy_(old.starts.index_select(0, index))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.storage is not None:
+            self._rebuild(torch.arange(self.storage.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rebuild(torch.as_tensor(indices).flatten())
+
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token costs across every slot written so far (the memory per token of this cache)."""
+        if self.storage is None:
+            return 0
+        return self.storage.bytes_per_token_per_slot() * len(self.storage.pages)
+
+    def memory_bytes(self) -> int:
+        """Bytes of K/V held for the cached tokens (valid tokens only, all rows)."""
+        batch = self.storage.batch if self.storage is not None else 0
+        return self.bytes_per_token() * self.length * batch
+
+
+def _row_view(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    return tensor.view(batch, -1, *tensor.shape[1:])
+
+
+def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 per (token, KV head): scale = max|x| / 127 (1 for an all-zero vector), q = round(x / scale)."""
+    values = states.float()
+    amax = values.abs().amax(-1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(values / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
