@@ -104,7 +104,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
     constexpr int cpw = Layout<BITS>::cols_per_word;
     const int lane = threadIdx.x & 31;
     const int words = K / cpw;
-    const int chunks = words / 4;
+    const int chunks = words % 4 == 0 ? words / 4 : 0;  // 16-byte loads need 16-byte aligned rows
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll

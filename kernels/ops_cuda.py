@@ -195,24 +195,25 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     contiguous = steps > 1 or cache is None
     key = torch.empty(batch * steps, kv_heads, dim, dtype=x.dtype, device=x.device) if contiguous else None
     value = torch.empty_like(key) if contiguous else None
-    pages: tuple[torch.Tensor, ...] = ()
+    storage = cache.storage if cache is not None else None
     if cache is not None:
         cache.mark_written(slot)
-        pages = cache.storage.slot(slot)
-    int8 = cache is not None and cache.storage.int8
-    storage = cache.storage if cache is not None else None
+    pages = storage.slot(slot) if storage is not None else (None, None)
+    scales = pages[2:] if storage is not None and storage.int8 else (None, None)
+    table = storage.block_table if storage is not None else None
+    positions = cache.step_positions if cache is not None else None
     cos, sin = context.cos.contiguous(), context.sin.contiguous()
     warps = batch * steps * (heads + 2 * kv_heads)
     layout = 0 if config.rope_layout == "rotate_half" else 1
-    args = (ptr(qkv), ptr(cos), ptr(sin), ptr(query), ptr(pages[0] if pages else None),
-            ptr(pages[1] if pages else None), ptr(pages[2] if int8 else None), ptr(pages[3] if int8 else None),
-            ptr(storage.block_table if storage else None), ptr(cache.step_positions if cache else None), ptr(key),
-            ptr(value), i32(batch * steps), i32(steps), i32(heads), i32(kv_heads), i32(dim),
-            i32(storage.blocks_per_row if storage else 0), i32(layout), i32(int(int8)))  # fmt: skip
+    args = (
+        *map(ptr, (qkv, cos, sin, query, pages[0], pages[1], scales[0], scales[1], table, positions, key, value)),
+        *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
+        i32(int(scales[0] is not None)),
+    )
     launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(x.dtype)}>"), (math.ceil(warps / 4),), (128,), args)
 
     if steps == 1 and cache is not None:
-        out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
+        out = paged_decode(query.view(batch, heads, dim), cache, storage.slot(slot), module.scaling)
     else:
         q = query.view(batch, steps, heads, dim).transpose(1, 2)
         if cache is None or cache.length == 0:

@@ -87,6 +87,8 @@ class CudaPath:
         if cache.length + 1 > cache.storage.capacity:
             return None
         config = self.model.config
+        if config.initial_state == "random":  # the seeded state is drawn on the host, which a graph cannot replay
+            return None
         loops = arguments.get("num_loops")
         loops = config.num_loops if loops is None else loops
         if not isinstance(loops, int) or isinstance(loops, bool):

@@ -3,8 +3,6 @@ with HF semantics, and the reference fixtures' greedy tokens (skipped cleanly wi
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -22,14 +20,16 @@ if torch.cuda.is_available():
 IDS = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(4))
 
 
-def _pair(variant, quant=None, dtype=torch.float16, **overrides):
-    """(reference-path model, CUDA-path model) with the same weights on the GPU."""
+def _model(variant, quant=None, dtype=torch.float16, **overrides):
     model = tiny_model(variant, hidden_size=64, intermediate_size=128, **overrides)
     if quant is not None:
         quantize_model(model, quant, progress=False)
-    reference = model.to("cuda", dtype)
-    fast = copy.deepcopy(reference).use_cuda_path()
-    return reference, fast
+    return model.to("cuda", dtype)
+
+
+def _pair(variant, quant=None, dtype=torch.float16, **overrides):
+    """(reference-path model, CUDA-path model) with the same weights on the GPU."""
+    return _model(variant, quant, dtype, **overrides), _model(variant, quant, dtype, **overrides).use_cuda_path()
 
 
 def _decode_logits(model, ids, prompt, cache):
@@ -80,7 +80,7 @@ def test_int8_kv_cache_stays_close():
 @pytest.mark.parametrize("variant", ["ouro", "huginn", "llama"])
 def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant):
     _, fast = _pair(variant, QUANTS["int4-g32"])
-    eager = copy.deepcopy(fast).use_cuda_path(cuda_graphs=False)
+    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
     ids = IDS.cuda()
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding

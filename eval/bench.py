@@ -1,0 +1,336 @@
+"""tinyloop-bench: speed of the CUDA path on the Ouro-1.4B shape, with HF transformers measured in the same run.
+
+Model: 24 unique layers x L loops, hidden 2048, MLP 5632, 16 heads (MHA), vocab 49152, bf16, random weights (speed
+does not depend on the values). Quantized variants use RTN with the LM head in INT8. Peers: the same shared-weight
+looped stack built from transformers' own LlamaForCausalLM (96 decoder layers whose parameters are the 24 unique
+layers'; Llama's pre-norm block has two RMSNorms fewer per layer than Ouro's sandwich block), run with eager SDPA and
+with a static cache + torch.compile. Everything is timed through ``model.generate()``:
+
+  TTFT      = generate(max_new_tokens=1) wall time (prefill + first token)
+  prefill   = batch x context / TTFT
+  decode    = batch x (new_tokens - 1) / (generate(max_new_tokens=new_tokens) - TTFT)
+
+    tinyloop-bench                                   # default sweep (one 10-minute device command)
+    tinyloop-bench --batch 1 16 64 --context 128 2048 8192 --loops 1 4 8 --bits 16 8 4 2
+    tinyloop-bench --baseline eval/results/bench-baseline.json   # exit 1 if decode fell below 0.8x the baseline
+
+Writes OUT.json, OUT.md (the table printed on stdout) and OUT.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopQuantConfig
+from tinyloop_hf.convert.quantize import quantize_model
+
+GROUP_FOR_BITS = {8: None, 4: 128, 2: 64}
+
+
+def ouro_config(loops: int, max_context: int) -> TinyLoopConfig:
+    return TinyLoopConfig(
+        vocab_size=49152,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_loop_layers=24,
+        num_loops=loops,
+        max_loops=max(8, loops),
+        block_norm="sandwich",
+        final_norm="every_loop",
+        exit_gate=True,
+        max_position_embeddings=max(max_context, 4096),
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
+def build_ours(base: TinyLoopForCausalLM, bits: int) -> TinyLoopForCausalLM:
+    model = copy.deepcopy(base)
+    if bits != 16:
+        config = TinyLoopQuantConfig(bits=bits, group_size=GROUP_FOR_BITS[bits], components={"lm_head": {"bits": 8}})
+        quantize_model(model, config, progress=False)
+    return model.eval()
+
+
+def build_hf_peer(config: TinyLoopConfig, loops: int) -> Any:
+    """transformers' Llama with 24 x loops decoder layers sharing the parameters of 24 unique ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    unique = config.num_loop_layers
+    llama_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        num_hidden_layers=unique,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(llama_config).to(torch.bfloat16)
+    layers = []
+    for index in range(unique * loops):
+        with torch.device("meta"):
+            layer = LlamaDecoderLayer(llama_config, layer_idx=index)
+        source = model.model.layers[index % unique]
+        for name, _ in list(layer.named_parameters()):
+            owner_name, _, leaf = name.rpartition(".")
+            owner = layer.get_submodule(owner_name) if owner_name else layer
+            owner._parameters[leaf] = source.get_parameter(name)
+        layers.append(layer)
+    model.model.layers = torch.nn.ModuleList(layers)
+    model.config.num_hidden_layers = unique * loops
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def timed(fn: Any) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(model: Any, batch: int, context: int, new_tokens: int, extra: dict[str, Any]) -> dict[str, float]:
+    ids = torch.randint(1, 49152, (batch, context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+
+    def run(tokens: int) -> Any:
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+
+    with torch.no_grad():
+        run(new_tokens)  # warm-up: kernel compilation, graph capture, cuBLAS / torch.compile
+        run(1)
+        torch.cuda.reset_peak_memory_stats()
+        ttft = min(timed(lambda: run(1)) for _ in range(3))
+        total = timed(lambda: run(new_tokens))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return {
+        "ttft_ms": 1000 * ttft,
+        "prefill_tok_s": batch * context / ttft,
+        "decode_tok_s": batch * (new_tokens - 1) / max(total - ttft, 1e-9),
+        "peak_vram_gib": peak,
+    }
+
+
+def gemv_bandwidth(size: int = 16384, repeats: int = 50) -> dict[str, float]:
+    """INT4 g128 GEMV y = W x on a size x size matrix (128 MiB of INT4, larger than L2), timed by CUDA events
+    over CUDA-graph replays; bandwidth counts packed weights + scales + zeros."""
+    from tinyloop_hf import QuantFormat, QuantLinear
+    from tinyloop_hf.kernels import ops_cuda
+    from tinyloop_hf.quant_tinyloop import quantize_rtn
+
+    fmt = QuantFormat(bits=4, group_size=128)
+    layer = QuantLinear(size, size, False, fmt)
+    layer.load_packed(quantize_rtn(torch.randn(size, size, device="cuda") * 0.02, fmt))
+    layer = layer.cuda()
+    x = torch.randn(1, size, device="cuda", dtype=torch.bfloat16)
+    ops_cuda.project(x, [layer])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            ops_cuda.project(x, [layer])
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / repeats
+    weight_bytes = sum(t.numel() * t.element_size() for t in layer.packed().tensors().values())
+    bf16 = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    cublas = timed(lambda: [torch.nn.functional.linear(x, bf16) for _ in range(repeats)]) / repeats
+    return {
+        "shape": f"{size}x{size}",
+        "int4_us": seconds * 1e6,
+        "int4_tb_s": weight_bytes / seconds / 1e12,
+        "cublas_bf16_us": cublas * 1e6,
+        "speedup_vs_cublas_bf16": cublas / seconds,
+    }
+
+
+def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:
+    from tinyloop_hf import QuantLinear
+
+    total = 0
+    for module in model.modules():
+        if linear_only and not isinstance(module, (QuantLinear, torch.nn.Linear)):
+            continue
+        for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=int, nargs="+", default=[128])
+    parser.add_argument("--loops", type=int, nargs="+", default=[4])
+    parser.add_argument("--bits", type=int, nargs="+", default=[16, 4], choices=[16, 8, 4, 2])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--peers", nargs="*", default=["eager", "compile"], choices=["eager", "compile"])
+    parser.add_argument("--peer-batches", type=int, nargs="*", default=None, help="batches for peers (default all)")
+    parser.add_argument("--out", type=Path, default=Path("bench"))
+    parser.add_argument("--baseline", type=Path, help="regression check against this JSON (exit 1 below tolerance)")
+    parser.add_argument("--tolerance", type=float, default=0.8)
+    parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tinyloop-bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    rows: list[dict[str, Any]] = []
+    extras: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    if not args.no_gemv:
+        extras["gemv"] = gemv_bandwidth()
+        print("INT4 GEMV:", extras["gemv"], flush=True)
+    max_context = max(args.context) + args.new_tokens
+    for loops in args.loops:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            base = TinyLoopForCausalLM(ouro_config(loops, max_context)).to(torch.bfloat16).eval()
+        bf16_linear, bf16_total = weight_bytes(base, True), weight_bytes(base, False)
+        for bits in args.bits:
+            model = build_ours(base, bits).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
+            memory = {
+                "linear_weights_vs_bf16": weight_bytes(model, True) / bf16_linear,
+                "all_weights_vs_bf16": weight_bytes(model, False) / bf16_total,
+            }
+            for context in args.context:
+                for batch in args.batch:
+                    row = {"impl": "tinyloop-cuda", "bits": bits, "loops": loops, "context": context, "batch": batch}
+                    row.update(measure(model, batch, context, args.new_tokens, {}), **memory)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+        del base
+        gc.collect()
+        torch.cuda.empty_cache()
+        for peer in args.peers:
+            hf = build_hf_peer(ouro_config(loops, max_context), loops)
+            extra: dict[str, Any] = {}
+            if peer == "compile":
+                extra = {"cache_implementation": "static"}
+                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            for context in args.context:
+                for batch in args.peer_batches if args.peer_batches is not None else args.batch:
+                    row = {"impl": f"hf-{peer}", "bits": 16, "loops": loops, "context": context, "batch": batch}
+                    row.update(measure(hf, batch, context, args.new_tokens, extra))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            del hf
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    table = markdown(rows, extras)
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
+    args.out.with_suffix(".md").write_text(table)
+    plot(rows, args.out.with_suffix(".png"))
+    return regression_check(rows, args.baseline, args.tolerance) if args.baseline else 0
+
+
+def _peer_rate(rows: list[dict], row: dict, impl: str) -> float | None:
+    for other in rows:
+        if other["impl"] == impl and all(other[k] == row[k] for k in ("loops", "context", "batch")):
+            return other["decode_tok_s"]
+    return None
+
+
+def markdown(rows: list[dict], extras: dict) -> str:
+    lines = [
+        f"Ouro-1.4B shape on {extras['device']}, generate(), greedy; ratios: decode tok/s over the HF peer "
+        f"at the same batch / context / loops.",
+        "",
+        "| impl | bits | loops | context | batch | TTFT ms | prefill tok/s | decode tok/s | x HF eager | "
+        "x HF compile | peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ratios = []
+        for peer in ("hf-eager", "hf-compile"):
+            rate = _peer_rate(rows, row, peer)
+            ratios.append(f"{row['decode_tok_s'] / rate:.1f}" if rate else "-")
+        lines.append(
+            f"| {row['impl']} | {row['bits']} | {row['loops']} | {row['context']} | {row['batch']} | "
+            f"{row['ttft_ms']:.1f} | {row['prefill_tok_s']:,.0f} | {row['decode_tok_s']:,.1f} | {ratios[0]} | "
+            f"{ratios[1]} | {row['peak_vram_gib']:.1f} |"
+        )
+    if "gemv" in extras:
+        gemv = extras["gemv"]
+        lines += [
+            "",
+            f"INT4 g128 GEMV {gemv['shape']}: {gemv['int4_us']:.1f} us = {gemv['int4_tb_s']:.2f} TB/s "
+            f"({gemv['speedup_vs_cublas_bf16']:.2f}x cuBLAS bf16 at {gemv['cublas_bf16_us']:.1f} us)",
+        ]
+    memory = [row for row in rows if row["impl"] == "tinyloop-cuda" and row["bits"] != 16]
+    for row in {r["bits"]: r for r in memory}.values():
+        lines.append(
+            f"INT{row['bits']} weight memory: linear layers {row['linear_weights_vs_bf16']:.3f}x bf16, whole model "
+            f"(bf16 embeddings, INT8 head) {row['all_weights_vs_bf16']:.3f}x"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return
+    labels = [f"{r['impl']}\nint{r['bits']} L{r['loops']} ctx{r['context']} b{r['batch']}" for r in rows]
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4.5))
+    colors = ["tab:blue" if r["impl"] == "tinyloop-cuda" else "tab:gray" for r in rows]
+    axis.bar(range(len(rows)), [r["decode_tok_s"] for r in rows], color=colors)
+    axis.set_yscale("log")
+    axis.set_ylabel("decode tokens / s (log)")
+    axis.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    axis.set_title("Ouro-1.4B shape, generate() decode throughput")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def regression_check(rows: list[dict], baseline_path: Path, tolerance: float) -> int:
+    baseline = json.loads(baseline_path.read_text())["rows"]
+    key = ("impl", "bits", "loops", "context", "batch")
+    failures = []
+    for old in baseline:
+        new = next((r for r in rows if all(r[k] == old[k] for k in key)), None)
+        if new is not None and new["decode_tok_s"] < tolerance * old["decode_tok_s"]:
+            failures.append(
+                f"{[old[k] for k in key]}: {new['decode_tok_s']:.1f} < {tolerance} x {old['decode_tok_s']:.1f}"
+            )
+    for line in failures:
+        print("REGRESSION", line)
+    print(f"regression check against {baseline_path}: {'FAILED' if failures else 'ok'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
