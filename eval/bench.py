@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         extras["gemv"] = gemv_bandwidth()
         print("INT4 GEMV:", extras["gemv"], flush=True)
     max_context = max(args.context) + args.new_tokens
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict[str, Any]) -> None:  # saved as it comes, so a crash later keeps what was measured
+        rows.append(row)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
+
     for loops in args.loops:
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -220,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in args.batch:
                     row = {"impl": "tinyloop-cuda", "bits": bits, "loops": loops, "context": context, "batch": batch}
                     row.update(measure(model, batch, context, args.new_tokens, {}), **memory)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    record(row)
             del model
             gc.collect()
             torch.cuda.empty_cache()
@@ -230,23 +236,23 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         for peer in args.peers:
             hf = build_hf_peer(ouro_config(loops, max_context), loops)
-            extra: dict[str, Any] = {}
-            if peer == "compile":
-                extra = {"cache_implementation": "static"}
-                hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            # A static cache makes generate() compile the forward itself (transformers' CompileConfig).
+            extra: dict[str, Any] = {"cache_implementation": "static"} if peer == "compile" else {}
             for context in args.context:
                 for batch in args.peer_batches if args.peer_batches is not None else args.batch:
                     row = {"impl": f"hf-{peer}", "bits": 16, "loops": loops, "context": context, "batch": batch}
-                    row.update(measure(hf, batch, context, args.new_tokens, extra))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    try:
+                        row.update(measure(hf, batch, context, args.new_tokens, extra))
+                    except Exception as error:  # a failing peer is reported, the sweep goes on
+                        print(f"{row['impl']} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                        continue
+                    record(row)
             del hf
             gc.collect()
             torch.cuda.empty_cache()
 
     table = markdown(rows, extras)
     print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(table)
     plot(rows, args.out.with_suffix(".png"))
