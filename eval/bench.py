@@ -158,6 +158,7 @@ def gemv_bandwidth(size: int = 16384, repeats: int = 50) -> dict[str, float]:
     seconds = start.elapsed_time(end) / 1000 / repeats
     weight_bytes = sum(t.numel() * t.element_size() for t in layer.packed().tensors().values())
     bf16 = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, bf16)  # warm-up (cuBLAS handle and heuristics)
     cublas = timed(lambda: [torch.nn.functional.linear(x, bf16) for _ in range(repeats)]) / repeats
     return {
         "shape": f"{size}x{size}",

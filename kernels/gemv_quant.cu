@@ -97,8 +97,9 @@ __device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int ro
     }
 }
 
+// Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
 template <int BITS, typename T, int MAXM, int R>
-__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_size, int groups,
+__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
                                          int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
                                          float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
@@ -114,29 +115,39 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         const bool full = c < chunks;
         const int first_word = full ? 4 * c : 4 * chunks + (c - chunks);
         const int count = full ? 4 : 1;
+        unsigned ws[R][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {  // all R loads in flight before any math
+            const int row = min(row0 + r, N - 1);
+            const unsigned* base = mat.qweight + static_cast<long long>(row) * words;
+            if (full) {
+                const uint4 v = load_stream(reinterpret_cast<const uint4*>(base) + c);
+                ws[r][0] = v.x; ws[r][1] = v.y; ws[r][2] = v.z; ws[r][3] = v.w;
+            } else {
+                ws[r][0] = __ldg(base + first_word);
+            }
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const int row = row0 + r;
             if (row >= N) break;
-            const unsigned* base = mat.qweight + static_cast<long long>(row) * words;
-            unsigned ws[4];
-            if (full) {
-                const uint4 v = load_stream(reinterpret_cast<const uint4*>(base) + c);
-                ws[0] = v.x; ws[1] = v.y; ws[2] = v.z; ws[3] = v.w;
-            } else {
-                ws[0] = __ldg(base + first_word);
-            }
+            int group = -1;
+            float s = 0.0f;
+            int z = midpoint;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (i < count) {
                     const int word_index = first_word + i;
                     const int col0 = word_index * cpw;
-                    const int g = col0 / group_size;
-                    const long long gi = static_cast<long long>(row) * groups + g;
-                    const float s = scale_to_float(__ldg(mat.scales + gi), scale_is_bf16);
-                    const int z = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi)) : midpoint;
-                    accumulate_word<BITS, T, MAXM>(ws[i], high_bits_for<BITS>(mat, row, words, word_index), col0, s,
-                                                   z, x, ldx, M, acc[r]);
+                    const int g = col0 >> group_shift;
+                    if (g != group) {  // a 16-byte chunk spans one group, or two for INT2/INT3 at g32
+                        group = g;
+                        const long long gi = static_cast<long long>(row) * groups + g;
+                        s = scale_to_float(__ldg(mat.scales + gi), scale_is_bf16);
+                        if (mat.zeros) z = static_cast<int>(__ldg(mat.zeros + gi));
+                    }
+                    accumulate_word<BITS, T, MAXM>(ws[r][i], high_bits_for<BITS>(mat, row, words, word_index), col0,
+                                                   s, z, x, ldx, M, acc[r]);
                 }
             }
         }
@@ -158,7 +169,7 @@ __global__ void __launch_bounds__(128) gemv_quant(
     int N1,
     const unsigned* qw2, const unsigned* qh2, const unsigned short* sc2, const unsigned char* zr2, const T* bias2,
     int N2,
-    const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_size, int groups,
+    const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint) {
     constexpr int ROWS_PER_CTA = 4 * R;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -184,11 +195,11 @@ __global__ void __launch_bounds__(128) gemv_quant(
     const int row0 = (block * 4 + warp) * R;
     if (row0 >= N) return;
     float acc[R][MAXM];
-    row_dots<BITS, T, MAXM, R>(mat, row0, N, K, group_size, groups, scale_is_bf16, midpoint, x, ldx, M, acc);
+    row_dots<BITS, T, MAXM, R>(mat, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, acc);
     if constexpr (SWIGLU) {
         const QuantMatrix up{qw1, qh1, sc1, zr1};
         float acc_up[R][MAXM];
-        row_dots<BITS, T, MAXM, R>(up, row0, N, K, group_size, groups, scale_is_bf16, midpoint, x, ldx, M, acc_up);
+        row_dots<BITS, T, MAXM, R>(up, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, acc_up);
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -218,7 +229,7 @@ __global__ void __launch_bounds__(128) gemv_quant(
 // Prefill path (many rows): dequantize to the activation dtype, then cuBLAS does the GEMM.
 template <int BITS, typename T>
 __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh, const unsigned short* scales,
-                                  const unsigned char* zeros, T* __restrict__ out, int N, int K, int group_size,
+                                  const unsigned char* zeros, T* __restrict__ out, int N, int K, int group_shift,
                                   int groups, int scale_is_bf16, int midpoint) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     const int words = K / cpw;
@@ -228,7 +239,7 @@ __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh
         const int row = static_cast<int>(i / words), word_index = static_cast<int>(i % words);
         const unsigned word = qweight[i];
         const int col0 = word_index * cpw;
-        const long long gi = static_cast<long long>(row) * groups + col0 / group_size;
+        const long long gi = static_cast<long long>(row) * groups + (col0 >> group_shift);
         const float s = scale_to_float(scales[gi], scale_is_bf16);
         const int z = zeros ? static_cast<int>(zeros[gi]) : midpoint;
         const QuantMatrix mat{qweight, qhigh, scales, zeros};

@@ -38,6 +38,11 @@ def _check(tensor: torch.Tensor, what: str) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def group_shift(fmt: Any) -> int:
+    """log2 of the group width (the kernels index groups with a shift); 31 = one group per row."""
+    return 31 if fmt.group_size is None else fmt.group_size.bit_length() - 1
+
+
 def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
     fmt = layers[0].format
@@ -49,7 +54,7 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: to
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     R = 4 if out_features >= 8192 else 2
     blocks = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
-    group = fmt.group_width(K)
+    group = group_shift(fmt)
     mats = []
     for index in range(3):
         if index < len(layers):
@@ -83,7 +88,7 @@ def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     words = layer.qweight.numel()
     name = f"dequantize_weight<{fmt.bits}, {cuda_type(dtype)}>"
     args = (ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-            ptr(getattr(layer, "zeros", None)), ptr(out), i32(N), i32(K), i32(fmt.group_width(K)),
+            ptr(getattr(layer, "zeros", None)), ptr(out), i32(N), i32(K), i32(group_shift(fmt)),
             i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
     launch(kernel("gemv_quant.cu", name), (min(4096, math.ceil(words / 256)),), (256,), args)
     return out

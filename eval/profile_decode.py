@@ -1,0 +1,69 @@
+"""Where a decode step's time goes on the CUDA path (Ouro-1.4B shape): GPU time of one graph replay, of one eager
+step, and the kernels of the eager step ranked by total time (torch.profiler / CUPTI sees the CuPy kernels too).
+
+    python -m tinyloop_hf.eval.profile_decode --bits 4 --batch 1 --loops 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tinyloop_hf import TinyLoopForCausalLM
+
+from .bench import build_ours, ouro_config
+
+
+def gpu_ms(fn, repeats: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--loops", type=int, default=4)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = TinyLoopForCausalLM(ouro_config(args.loops, 4096)).to(torch.bfloat16).eval()
+    model = build_ours(base, args.bits).use_cuda_path()
+    del base
+    ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=8, do_sample=False)
+        cache = model.new_cache(args.context + 64)
+        model(ids, past_key_values=cache, use_cache=True)
+        step = ids[:, -1:]
+        path = model._cuda_path
+        for _ in range(3):  # eager warm-up, capture, replay
+            model(step, past_key_values=cache, use_cache=True)
+        print(f"graphs captured: {len(path.graphs)}")
+        replay = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
+        wall = time.perf_counter()
+        for _ in range(10):
+            model(step, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - wall) / 10 * 1000
+        path.use_graphs = False
+        eager = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
+        print(f"decode step: graph replay {replay:.2f} ms GPU ({wall:.2f} ms wall), eager {eager:.2f} ms")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            model(step, past_key_values=cache, use_cache=True)
+            torch.cuda.synchronize()
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
