@@ -1,4 +1,5 @@
-// RMSNorm and the residual junction of a block, one CTA per token row, statistics in fp32.
+// RMSNorm and the residual junction of a block, one CTA per token row, values kept in registers (8 per 16-byte
+// vector, up to MAX_VECS vectors per thread: hidden <= 8 * MAX_VECS * blockDim), statistics in fp32.
 //
 // Rounding mirrors the reference path (ops_tinyloop.rms_norm): normed = x * rsqrt(mean(x^2) + eps) in fp32,
 // cast to T, then times the weight in T. The junction computes, per `mode`,
@@ -8,11 +9,38 @@
 // and then, if w_next is given, next = norm(sum; w_next) — the input of the following sublayer.
 #include "common.cuh"
 
+constexpr int MAX_VECS = 4;
+
 template <typename T>
-__device__ float block_sum(float v, float* shared) {
+__device__ __forceinline__ void load_row8(const T* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = to_float2(bits_as_vec2<T>(words[i]));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_row8(T* p, const float (&values)[8]) {
+    T packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed[i] = from_float<T>(values[i]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(packed);
+}
+
+__device__ __forceinline__ float round_to(float v, const __half*) { return __half2float(__float2half_rn(v)); }
+__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+__device__ float block_sum(float v) {
+    __shared__ float shared[32];
     v = warp_sum(v);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    __syncthreads();
+    __syncthreads();  // shared[] may still be read by a previous call
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     float total = 0.0f;
@@ -20,55 +48,71 @@ __device__ float block_sum(float v, float* shared) {
     return total;
 }
 
+// Every thread owns vectors j at columns (threadIdx.x + j * blockDim.x) * 8.
+#define FOR_VECS(j, col)                                                    \
+    _Pragma("unroll") for (int j = 0; j < MAX_VECS; ++j)                   \
+        if (const int col = (threadIdx.x + j * blockDim.x) * 8; col < H)
+
 template <typename T>
-__device__ float inverse_rms(const float* values, int H, float eps, float* shared) {
+__device__ float inverse_rms(const float (&v)[MAX_VECS][8], int H, float eps) {
     float sq = 0.0f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) sq += values[i] * values[i];
-    return rsqrtf(block_sum<T>(sq, shared) / H + eps);
+    FOR_VECS(j, col) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq += v[j][e] * v[j][e];
+    }
+    return rsqrtf(block_sum(sq) / H + eps);
 }
 
-// values (fp32, already rounded to T) -> T(T(values * inv) * weight)
+// v <- T(T(v * inv) * weight)
 template <typename T>
-__device__ __forceinline__ T apply_norm(float value, float inv, T weight) {
-    return from_float<T>(to_float(from_float<T>(value * inv)) * to_float(weight));
+__device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight, int H, float eps) {
+    const float inv = inverse_rms<T>(v, H, eps);
+    FOR_VECS(j, col) {
+        float w[8];
+        load_row8(weight + col, w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[j][e] = round_to(round_to(v[j][e] * inv, weight) * w[e], weight);
+    }
 }
 
 template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out, int H,
                          float eps) {
-    extern __shared__ float row[];  // [H] then 32 for reductions
-    float* shared = row + H;
     const long long base = static_cast<long long>(blockIdx.x) * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) row[i] = to_float(x[base + i]);
-    const float inv = inverse_rms<T>(row, H, eps, shared);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) out[base + i] = apply_norm<T>(row[i], inv, weight[i]);
+    float v[MAX_VECS][8];
+    FOR_VECS(j, col) load_row8(x + base + col, v[j]);
+    normalize(v, weight, H, eps);
+    FOR_VECS(j, col) store_row8(out + base + col, v[j]);
 }
 
 template <typename T>
 __global__ void residual_norm(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                               const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H,
                               float eps, int mode) {
-    extern __shared__ float row[];
-    float* shared = row + H;
     const long long base = static_cast<long long>(blockIdx.x) * H;
-    if (mode == 0) {
-        for (int i = threadIdx.x; i < H; i += blockDim.x)
-            row[i] = to_float(from_float<T>(to_float(x[base + i]) + to_float(branch[base + i])));
-    } else {
-        for (int i = threadIdx.x; i < H; i += blockDim.x) {
-            const float b = to_float(branch[base + i]);
-            row[i] = mode == 1 ? b : to_float(from_float<T>(b + to_float(x[base + i])));
-        }
-        const float inv = inverse_rms<T>(row, H, eps, shared);
-        __syncthreads();
-        for (int i = threadIdx.x; i < H; i += blockDim.x) {
-            const float normed = to_float(apply_norm<T>(row[i], inv, w_branch[i]));
-            row[i] = mode == 1 ? to_float(from_float<T>(to_float(x[base + i]) + normed)) : normed;
+    float v[MAX_VECS][8];
+    FOR_VECS(j, col) {
+        float a[8];
+        load_row8(branch + base + col, v[j]);
+        if (mode != 1) {
+            load_row8(x + base + col, a);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
         }
     }
-    __syncthreads();
-    for (int i = threadIdx.x; i < H; i += blockDim.x) sum_out[base + i] = from_float<T>(row[i]);
+    if (mode != 0) {
+        normalize(v, w_branch, H, eps);
+        if (mode == 1) {
+            FOR_VECS(j, col) {
+                float a[8];
+                load_row8(x + base + col, a);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
+            }
+        }
+    }
+    FOR_VECS(j, col) store_row8(sum_out + base + col, v[j]);
     if (w_next == nullptr) return;
-    const float inv = inverse_rms<T>(row, H, eps, shared);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) next_out[base + i] = apply_norm<T>(row[i], inv, w_next[i]);
+    normalize(v, w_next, H, eps);
+    FOR_VECS(j, col) store_row8(next_out + base + col, v[j]);
 }

@@ -138,11 +138,10 @@ def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_launch(name: str, rows: int, hidden: int, args: tuple) -> None:
+    if hidden % 8 or hidden > 8 * 4 * 1024:
+        raise CudaPathUnavailable(f"the norm kernels need hidden_size % 8 == 0 and <= 32768, got {hidden}")
     threads = min(1024, max(128, 32 * math.ceil(hidden / 8 / 32)))
-    smem = (hidden + 32) * 4
-    if smem > _SMEM_LIMIT:
-        raise CudaPathUnavailable(f"hidden size {hidden} exceeds the norm kernel's shared memory (max 12256)")
-    launch(kernel("norm.cu", name), (rows,), (threads,), args, shared_mem=smem)
+    launch(kernel("norm.cu", name), (rows,), (threads,), args)
 
 
 @register_op("rms_norm", CUDA)
@@ -233,9 +232,14 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     return project(out.reshape(batch * steps, -1), [module.o_proj]).view(batch, steps, -1)
 
 
+def _decode_shared_floats(group: int, dim: int, chunk: int) -> int:
+    """Shared memory of paged_decode in 4-byte words: q, scores, stats, per-pass partial sums, page slots."""
+    return group * dim + group * chunk + 2 * group + (1024 // dim) * group * dim + chunk
+
+
 def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: int) -> tuple[int, int]:
     """(splits, chunk) for paged decode: enough CTAs to fill the GPU, chunks that fit shared memory."""
-    max_chunk = (_SMEM_LIMIT // 4 - group * dim - 2 * group) // group
+    max_chunk = (_SMEM_LIMIT // 4 - _decode_shared_floats(group, dim, 0)) // (group + 1) // PAGE_SIZE * PAGE_SIZE
     wanted = min(math.ceil(264 / (batch * kv_heads)), math.ceil(capacity / 64))
     splits = max(1, wanted, math.ceil(capacity / max_chunk))
     chunk = math.ceil(capacity / splits / PAGE_SIZE) * PAGE_SIZE
@@ -248,9 +252,11 @@ def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, s
     batch, heads, dim = query.shape
     kv_heads = storage.kv_heads
     group = heads // kv_heads
-    if group > 8 or dim > 256:
-        raise CudaPathUnavailable(f"paged decode supports up to 8 query heads per KV head and head_dim <= 256, "
-                                  f"got {group} and {dim}")  # fmt: skip
+    if group > 8 or dim not in (16, 32, 64, 128, 256):
+        raise CudaPathUnavailable(
+            f"paged decode supports up to 8 query heads per KV head and head_dim in (16, 32, 64, 128, 256), "
+            f"got {group} and {dim}"
+        )
     splits, chunk = decode_partition(batch, kv_heads, group, dim, storage.capacity)
     out = torch.empty(batch, heads, dim, dtype=query.dtype, device=query.device)
     partial_o = partial_ml = None
@@ -263,7 +269,7 @@ def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, s
             ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
             ptr(out), ptr(partial_o), ptr(partial_ml), i32(heads), i32(kv_heads), i32(dim),
             i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
-    smem = (group * dim + group * chunk + 2 * group) * 4
+    smem = 4 * _decode_shared_floats(group, dim, chunk)
     name = f"paged_decode<{type_name}, {int(int8)}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
     if splits > 1:

@@ -10,17 +10,34 @@
 
 constexpr int PAGE = 16;
 constexpr int MAX_GROUP = 8;
-constexpr int MAX_DIM = 256;
 
+// 8 consecutive K or V elements of one token and head (a 16-byte load in T, 8 bytes in int8), as fp32.
 template <typename T, int KV_INT8>
-__device__ __forceinline__ float kv_value(const void* pages, const float* scales, long long slot, int D, int d) {
+__device__ __forceinline__ void load8(const void* pages, const float* scales, int slot, int D, int offset,
+                                      float (&out)[8]) {
     if constexpr (KV_INT8) {
-        return static_cast<float>(static_cast<const signed char*>(pages)[slot * D + d]) * scales[slot];
+        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const signed char*>(pages) +
+                                                          static_cast<long long>(slot) * D + offset);
+        const float scale = scales[slot];
+        const unsigned words[2] = {raw.x, raw.y};
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * scale;
     } else {
-        return to_float(static_cast<const T*>(pages)[slot * D + d]);
+        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(pages) +
+                                                          static_cast<long long>(slot) * D + offset);
+        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = to_float2(bits_as_vec2<T>(words[i]));
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
     }
 }
 
+// A token is served by D/8 consecutive threads (8 elements each), so a CTA of 128 threads works on 1024/D tokens
+// at once and every load of a pass is independent (page slots are looked up once, into shared memory).
 template <typename T, int KV_INT8>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
@@ -29,47 +46,52 @@ __global__ void __launch_bounds__(128) paged_decode(
     int max_blocks, int chunk, float scale_log2) {
     extern __shared__ float smem[];
     const int G = Hq / Hkv;
-    float* q_s = smem;                    // [G][D]
-    float* scores = smem + G * D;         // [G][chunk]
-    float* stats = scores + G * chunk;    // [G][2]: max, sum
+    const int per_token = D / 8, tokens_per_pass = blockDim.x / per_token;
+    float* q_s = smem;                                    // [G][D]
+    float* scores = q_s + G * D;                          // [G][chunk]
+    float* stats = scores + G * chunk;                    // [G][2]: max, sum
+    float* partial = stats + 2 * G;                       // [tokens_per_pass][G][D]
+    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * G * D);  // [chunk]
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int length = lengths[b], start = starts[b];
-    const int t0 = split * chunk, t1 = min(length, t0 + chunk);
+    const int t0 = split * chunk, n = max(0, min(length, t0 + chunk) - t0);
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
         q_s[i] = to_float(q[(static_cast<long long>(b) * Hq + kv_head * G + g) * D + d]) * scale_log2;
     }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int t = t0 + i;
+        slots[i] = (block_table[b * max_blocks + t / PAGE] * Hkv + kv_head) * PAGE + t % PAGE;
+    }
     __syncthreads();
-    // Phase 1: one warp per token, lanes split the head dimension.
-    for (int t = t0 + warp; t < t1; t += warps) {
-        const long long slot =
-            (static_cast<long long>(block_table[b * max_blocks + t / PAGE]) * Hkv + kv_head) * PAGE + t % PAGE;
-        float partial[MAX_GROUP];
+    const int sub = threadIdx.x / per_token, offset = (threadIdx.x % per_token) * 8;
+    // Phase 1: scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
+    for (int base = 0; base < n; base += tokens_per_pass) {
+        const int i = base + sub;
+        float k[8];
+        if (i < n) {
+            load8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset, k);
+        } else {
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) partial[g] = 0.0f;
-        for (int d = lane; d < D; d += 32) {
-            const float k = kv_value<T, KV_INT8>(k_pages, k_scale, slot, D, d);
-#pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g)
-                if (g < G) partial[g] += q_s[g * D + d] * k;
+            for (int e = 0; e < 8; ++e) k[e] = 0.0f;
         }
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.0f;
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
-            if (g < G) {
-                const float s = warp_sum(partial[g]);
-                if (lane == 0) scores[g * chunk + (t - t0)] = t < start ? -TL_INF : s;
-            }
+            for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
+            for (int width = per_token / 2; width > 0; width >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, width);
+            if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
         }
     }
     __syncthreads();
-    // Phase 2: per head, max and sum of exp2 over this split's tokens; scores become probabilities (unnormalized).
+    // Phase 2: per head, max and sum of exp2; scores become unnormalized probabilities.
     for (int g = warp; g < G; g += warps) {
         float m = -TL_INF;
-        for (int i = lane; i < t1 - t0; i += 32) m = fmaxf(m, scores[g * chunk + i]);
+        for (int i = lane; i < n; i += 32) m = fmaxf(m, scores[g * chunk + i]);
         m = warp_max(m);
         float l = 0.0f;
-        for (int i = lane; i < t1 - t0; i += 32) {
+        for (int i = lane; i < n; i += 32) {
             const float p = m == -TL_INF ? 0.0f : exp2f(scores[g * chunk + i] - m);
             scores[g * chunk + i] = p;
             l += p;
@@ -81,33 +103,42 @@ __global__ void __launch_bounds__(128) paged_decode(
         }
     }
     __syncthreads();
-    // Phase 3: threads over the head dimension accumulate p * V for every head of the group.
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc[MAX_GROUP];
+    // Phase 3: each thread sums p * V over its tokens for its 8 dimensions, then the passes are added up.
+    float acc[MAX_GROUP][8];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) acc[g] = 0.0f;
-        for (int t = t0; t < t1; ++t) {
-            const long long slot =
-                (static_cast<long long>(block_table[b * max_blocks + t / PAGE]) * Hkv + kv_head) * PAGE + t % PAGE;
-            const float v = kv_value<T, KV_INT8>(v_pages, v_scale, slot, D, d);
+    for (int g = 0; g < MAX_GROUP; ++g)
 #pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g)
-                if (g < G) acc[g] += scores[g * chunk + (t - t0)] * v;
-        }
+        for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
+    for (int i = sub; i < n; i += tokens_per_pass) {
+        float v[8];
+        load8<T, KV_INT8>(v_pages, v_scale, slots[i], D, offset, v);
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; ++g) {
             if (g < G) {
-                const int head = kv_head * G + g;
-                const long long row = static_cast<long long>(b) * Hq + head;
-                if (splits == 1) {
-                    out[row * D + d] = from_float<T>(acc[g] / stats[2 * g + 1]);
-                } else {
-                    part_o[(row * splits + split) * D + d] = acc[g];
-                    if (d == 0) {
-                        part_ml[(row * splits + split) * 2] = stats[2 * g];
-                        part_ml[(row * splits + split) * 2 + 1] = stats[2 * g + 1];
-                    }
-                }
+                const float p = scores[g * chunk + i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g)
+        if (g < G)
+#pragma unroll
+            for (int e = 0; e < 8; ++e) partial[(sub * G + g) * D + offset + e] = acc[g][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        float o = 0.0f;
+        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * G + g) * D + d];
+        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        if (splits == 1) {
+            out[row * D + d] = from_float<T>(o / stats[2 * g + 1]);
+        } else {
+            part_o[(row * splits + split) * D + d] = o;
+            if (d == 0) {
+                part_ml[(row * splits + split) * 2] = stats[2 * g];
+                part_ml[(row * splits + split) * 2 + 1] = stats[2 * g + 1];
             }
         }
     }
