@@ -19,12 +19,32 @@ from tinyloop_hf.ops_tinyloop import REFERENCE, get_op, register_op
 from tinyloop_hf.paged_cache import PAGE_SIZE, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
-from .loader import CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr
+from .loader import CUDA_TYPE, CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr
+
+CUDA_TYPES = tuple(CUDA_TYPE.values())
 
 CUDA = "cuda"
 GEMV_MAX_ROWS = 32  # token rows served by the GEMV kernels; more rows go through dequantize + cuBLAS
 _THREADS = 128
 _SMEM_LIMIT = 48 * 1024
+
+
+def instantiations(full: bool = True) -> dict[str, list[str]]:
+    """Every kernel name this backend may request, by source file (``full=False``: one per code path)."""
+    types = list(CUDA_TYPES)
+    gemv_variants = [(m, r, sw) for m in (1, 4, 8) for r in (2, 4) for sw in ("true", "false")]
+    if not full:
+        gemv_variants = [(1, 2, "false"), (8, 4, "true")]
+    return {
+        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}>" for b in (2, 3, 4, 8) for t in types
+                          for m, r, sw in gemv_variants]
+        + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
+        "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
+        "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
+        "paged_attention.cu": [f"paged_decode<{t}, {i}>" for t in types for i in (0, 1)]
+        + [f"merge_splits<{t}>" for t in types],
+        "sampling.cu": [f"sample_tokens<{t}>" for t in types],
+    }  # fmt: skip
 
 
 def _check(tensor: torch.Tensor, what: str) -> None:
