@@ -63,9 +63,14 @@ def test_attn_implementation_eager_gives_the_same_model_output(tmp_path):
         assert torch.allclose(eager(IDS).logits, model(IDS).logits, atol=1e-5)
 
 
+MODULE_OPS = ("linear", "rms_norm", "self_attention", "mlp", "residual_norm")
+
+
 def test_a_registered_backend_replaces_every_op_without_model_changes():
+    """Modules call these ops with their own backend; the reference composites (self_attention, mlp,
+    residual_norm) are built from the small reference ops (rope, attention, swiglu, rms_norm)."""
     calls: dict[str, int] = {}
-    for name in ("linear", "rms_norm", "rope", "attention", "swiglu"):
+    for name in MODULE_OPS:
         reference = get_op(name, REFERENCE)
 
         def counted(*args, _name=name, _reference=reference, **kwargs):
@@ -78,7 +83,9 @@ def test_a_registered_backend_replaces_every_op_without_model_changes():
         expected = model(IDS).logits
         model.set_op_backend("counting")
         assert torch.equal(model(IDS).logits, expected)
-    assert set(calls) == {"linear", "rms_norm", "rope", "attention", "swiglu"}
+    assert set(calls) == set(MODULE_OPS)
+    layers = 1 + 3 * 2 + 1  # prelude + loops x loop block + coda
+    assert calls["self_attention"] == calls["mlp"] == layers and calls["residual_norm"] == 2 * layers
     assert "counting" in backends_of("linear")
 
 
