@@ -66,4 +66,17 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     return v;
 }
 
+// 8 consecutive fp16/bf16 values (one 16-byte load, 16-byte aligned) as fp32.
+template <typename T>
+__device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = to_float2(bits_as_vec2<T>(words[i]));
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }

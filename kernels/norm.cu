@@ -12,18 +12,6 @@
 constexpr int MAX_VECS = 4;
 
 template <typename T>
-__device__ __forceinline__ void load_row8(const T* p, float (&out)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = to_float2(bits_as_vec2<T>(words[i]));
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
-template <typename T>
 __device__ __forceinline__ void store_row8(T* p, const float (&values)[8]) {
     T packed[8];
 #pragma unroll
@@ -69,7 +57,7 @@ __device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight,
     const float inv = inverse_rms<T>(v, H, eps);
     FOR_VECS(j, col) {
         float w[8];
-        load_row8(weight + col, w);
+        load8_as_float(weight + col, w);
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[j][e] = round_to(round_to(v[j][e] * inv, weight) * w[e], weight);
     }
@@ -80,7 +68,7 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, 
                          float eps) {
     const long long base = static_cast<long long>(blockIdx.x) * H;
     float v[MAX_VECS][8];
-    FOR_VECS(j, col) load_row8(x + base + col, v[j]);
+    FOR_VECS(j, col) load8_as_float(x + base + col, v[j]);
     normalize(v, weight, H, eps);
     FOR_VECS(j, col) store_row8(out + base + col, v[j]);
 }
@@ -93,9 +81,9 @@ __global__ void residual_norm(const T* __restrict__ x, const T* __restrict__ bra
     float v[MAX_VECS][8];
     FOR_VECS(j, col) {
         float a[8];
-        load_row8(branch + base + col, v[j]);
+        load8_as_float(branch + base + col, v[j]);
         if (mode != 1) {
-            load_row8(x + base + col, a);
+            load8_as_float(x + base + col, a);
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
         }
@@ -105,7 +93,7 @@ __global__ void residual_norm(const T* __restrict__ x, const T* __restrict__ bra
         if (mode == 1) {
             FOR_VECS(j, col) {
                 float a[8];
-                load_row8(x + base + col, a);
+                load8_as_float(x + base + col, a);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
             }

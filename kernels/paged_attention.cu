@@ -24,15 +24,7 @@ __device__ __forceinline__ void load8(const void* pages, const float* scales, in
         for (int i = 0; i < 8; ++i)
             out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * scale;
     } else {
-        const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(pages) +
-                                                          static_cast<long long>(slot) * D + offset);
-        const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 f = to_float2(bits_as_vec2<T>(words[i]));
-            out[2 * i] = f.x;
-            out[2 * i + 1] = f.y;
-        }
+        load8_as_float(static_cast<const T*>(pages) + static_cast<long long>(slot) * D + offset, out);
     }
 }
 
