@@ -21,6 +21,7 @@ from .configuration_tinyloop import TinyLoopConfig
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, get_op, register_op, rope_angles
+from .quant_tinyloop import packed_shape_errors
 
 LoopCount = int | Sequence[int] | torch.Tensor
 
@@ -276,6 +277,9 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
                 "shape mismatch (tensor, checkpoint shape, model shape): "
                 + "; ".join(map(str, info["mismatched_keys"]))
             )
+        packed = packed_shape_errors(model) if strict else []
+        if packed:
+            problems.append("packed tensors of the wrong shape (tensor, checkpoint, model): " + "; ".join(packed))
         if problems:
             raise ValueError(f"checkpoint does not match its TinyLoop config: {' | '.join(problems)}")
         return (model, info) if wants_info else model

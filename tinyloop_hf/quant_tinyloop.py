@@ -267,3 +267,19 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bits={fmt.bits}, "
             f"group_size={fmt.group_size}, {kind}, scales={fmt.scale_dtype}"
         )
+
+
+def packed_shape_errors(model: nn.Module) -> list[str]:
+    """Packed tensors whose shape or dtype differ from their QuantLinear's format (transformers 5.17 loads a
+    mis-shaped buffer silently instead of reporting it)."""
+    errors = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, QuantLinear):
+            continue
+        for name, (shape, dtype) in module.format.tensor_shapes(module.out_features, module.in_features).items():
+            actual = getattr(module, name)
+            if tuple(actual.shape) != shape or actual.dtype != dtype:
+                errors.append(
+                    f"{module_name}.{name}: checkpoint {list(actual.shape)} {actual.dtype}, model {list(shape)} {dtype}"
+                )
+    return errors
