@@ -1,0 +1,55 @@
+"""The parts of the CUDA path and tinyloop-bench that are plain Python: report, ratios, regression check, the
+paged-decode partition and the capacity buckets (the kernels themselves are tested on a GPU, tests/gpu)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyloop_hf.cuda_path import capacity_bucket
+from tinyloop_hf.eval.bench import markdown, regression_check
+from tinyloop_hf.kernels.ops_cuda import _SMEM_LIMIT, PAGE_SIZE, _decode_shared_floats, decode_partition
+
+ROWS = [
+    {"impl": "tinyloop-cuda", "bits": 4, "loops": 4, "context": 128, "batch": 1, "ttft_ms": 10.0,
+     "prefill_tok_s": 12800.0, "decode_tok_s": 300.0, "peak_vram_gib": 1.0, "linear_weights_vs_bf16": 0.28,
+     "all_weights_vs_bf16": 0.33},
+    {"impl": "hf-eager", "bits": 16, "loops": 4, "context": 128, "batch": 1, "ttft_ms": 20.0,
+     "prefill_tok_s": 6400.0, "decode_tok_s": 10.0, "peak_vram_gib": 3.0},
+    {"impl": "hf-compile", "bits": 16, "loops": 4, "context": 128, "batch": 1, "ttft_ms": 20.0,
+     "prefill_tok_s": 6400.0, "decode_tok_s": 50.0, "peak_vram_gib": 3.0},
+]  # fmt: skip
+
+
+def test_table_reports_ratios_against_both_peers_and_weight_memory():
+    table = markdown(ROWS, {"device": "GPU", "gemv": {"shape": "8x8", "int4_us": 1.0, "int4_tb_s": 3.1,
+                                                      "cublas_bf16_us": 2.0, "speedup_vs_cublas_bf16": 2.0}})  # fmt: skip
+    ours = next(line for line in table.splitlines() if line.startswith("| tinyloop-cuda"))
+    assert "| 300.0 | 30.0 | 6.0 |" in ours
+    assert "3.10 TB/s" in table and "linear layers 0.280x bf16" in table
+
+
+def test_regression_check_fails_below_the_tolerance(tmp_path, capsys):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"rows": ROWS}))
+    assert regression_check(ROWS, baseline, 0.8) == 0
+    slower = [dict(row, decode_tok_s=row["decode_tok_s"] * 0.7) if row["impl"] == "tinyloop-cuda" else row
+              for row in ROWS]  # fmt: skip
+    assert regression_check(slower, baseline, 0.8) == 1
+    assert "REGRESSION ['tinyloop-cuda', 4, 4, 128, 1]: 210.0 < 0.8 x 300.0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (8, 256), (1, 16)])
+@pytest.mark.parametrize("capacity", [128, 2048, 8192, 16384])
+def test_decode_partition_covers_the_capacity_within_shared_memory(batch, group, dim, capacity):
+    splits, chunk = decode_partition(batch, 16 // group if group < 16 else 1, group, dim, capacity)
+    assert splits * chunk >= capacity and (splits - 1) * chunk < capacity
+    assert chunk % PAGE_SIZE == 0
+    assert 4 * _decode_shared_floats(group, dim, chunk) <= _SMEM_LIMIT
+
+
+def test_capacity_buckets_are_powers_of_two_that_fit():
+    assert capacity_bucket(1) == 128 and capacity_bucket(256) == 256 and capacity_bucket(257) == 512
+    assert all(capacity_bucket(n) >= n for n in range(1, 5000, 37))
