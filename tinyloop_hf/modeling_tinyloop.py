@@ -1,7 +1,10 @@
 """TinyLoopModel / TinyLoopForCausalLM: embed -> prelude -> num_loops x (injection + loop block) -> coda -> head.
 
-Every numeric op goes through ``ops_tinyloop.get_op(name, module.op_backend)``, so a quantized linear or a CUDA
-attention replaces the reference without touching this file. Architectures differ only in ``TinyLoopConfig``.
+Every numeric op goes through ``ops_tinyloop.get_op(name, module.op_backend)``, so a quantized linear or the CUDA
+kernels replace the reference without touching this file. Modules call linear / rms_norm and three block-level ops
+(self_attention, mlp, residual_norm) whose reference versions below are built from the small reference ops
+(rope, attention, swiglu, rms_norm); a backend may fuse them (the CUDA one does). Architectures differ only in
+``TinyLoopConfig``.
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ class TinyLoopAttention(nn.Module):
 
 
 @register_op("self_attention", REFERENCE)
-def reference_self_attention(module: TinyLoopAttention, x: torch.Tensor, context: _ForwardContext, slot: int):
+def reference_self_attention(
+    module: TinyLoopAttention, x: torch.Tensor, context: _ForwardContext, slot: int
+) -> torch.Tensor:
     """Projections, RoPE, cache append and attention through the small ops (a backend may fuse all of it)."""
     batch, length, _ = x.shape
     shape = (batch, length, -1, module.head_dim)
@@ -222,6 +227,7 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
 
     @property
     def op_backend(self) -> str:
+        """The backend this model's ops run on ("reference" or "cuda")."""
         return getattr(self, "_op_backend", REFERENCE)
 
     def new_cache(self, capacity: int | None = None) -> TinyLoopCache:
