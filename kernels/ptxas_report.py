@@ -1,4 +1,5 @@
 """Registers, spills and stack of every kernel instantiation, from ptxas through NVRTC — on a machine without a GPU.
+(``compile_log`` is also what tests/test_kernels_compile.py compiles with.)
 
     python -m tinyloop_hf.kernels.ptxas_report [FILE [NAME_REGEX]] [--arch sm_90]
 
@@ -16,7 +17,11 @@ import re
 from . import loader, ops_cuda
 
 
-def compile_log(file: str, names: list[str], arch: str) -> tuple[int, str]:
+def compile_log(
+    file: str, names: list[str], arch: str = "compute_80", options: tuple[str, ...] = ()
+) -> tuple[int, str]:
+    """Compile ``names`` (template instantiations) of ``file`` with NVRTC: (status, compiler log). ``arch`` a
+    virtual architecture (compute_XY) only compiles to PTX; a real one (sm_XY) runs ptxas too."""
     import nvidia.cuda_nvrtc
     import nvidia.cuda_runtime
 
@@ -27,8 +32,9 @@ def compile_log(file: str, names: list[str], arch: str) -> tuple[int, str]:
     nvrtc.nvrtcCreateProgram(ctypes.byref(program), loader.source(file).encode(), file.encode(), 0, None, None)
     for name in names:
         nvrtc.nvrtcAddNameExpression(program, name.encode())
-    options = [b"--std=c++17", f"--gpu-architecture={arch}".encode(), f"-I{include}".encode(), b"--ptxas-options=-v"]
-    status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    flags = [b"--std=c++17", f"--gpu-architecture={arch}".encode(), f"-I{include}".encode()]
+    flags += [option.encode() for option in options]
+    status = nvrtc.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags))
     size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -49,7 +55,7 @@ def main() -> None:
         selected = [name for name in names if re.search(args.pattern, name)]
         if not selected:
             continue
-        status, log = compile_log(file, selected, args.arch)
+        status, log = compile_log(file, selected, args.arch, ("--ptxas-options=-v",))
         print(f"== {file}: {'ok' if status == 0 else 'FAILED'}")
         entry = ""
         for line in log.splitlines():

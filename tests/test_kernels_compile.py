@@ -7,41 +7,19 @@ nvidia-cuda-runtime-cu12).
 
 from __future__ import annotations
 
-import ctypes
-import glob
-from pathlib import Path
-
 import pytest
 
-from tinyloop_hf.kernels import loader, ops_cuda
-
-
-def _nvrtc() -> tuple[ctypes.CDLL, Path]:
-    try:
-        import nvidia.cuda_nvrtc
-        import nvidia.cuda_runtime
-    except ImportError:
-        pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12; they are missing")
-    libraries = sorted(glob.glob(f"{list(nvidia.cuda_nvrtc.__path__)[0]}/lib/libnvrtc.so*"))
-    return ctypes.CDLL(next(p for p in libraries if "builtins" not in p)), Path(list(nvidia.cuda_runtime.__path__)[0])
+from tinyloop_hf.kernels import ops_cuda
+from tinyloop_hf.kernels.ptxas_report import compile_log
 
 
 def _compile(file: str, names: list[str]) -> tuple[int, str]:
-    nvrtc, runtime = _nvrtc()
-    program = ctypes.c_void_p()
-    assert (
-        nvrtc.nvrtcCreateProgram(ctypes.byref(program), loader.source(file).encode(), file.encode(), 0, None, None) == 0
-    )
-    for name in names:
-        assert nvrtc.nvrtcAddNameExpression(program, name.encode()) == 0
-    options = [b"--std=c++17", b"--gpu-architecture=compute_80", f"-I{runtime / 'include'}".encode()]
-    status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetProgramLog(program, log)
-    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-    return status, log.value.decode(errors="replace")
+    try:
+        import nvidia.cuda_nvrtc  # noqa: F401
+        import nvidia.cuda_runtime  # noqa: F401
+    except ImportError:
+        pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12; they are missing")
+    return compile_log(file, names)
 
 
 @pytest.mark.parametrize("file", sorted(ops_cuda.instantiations(full=False)))
