@@ -1,0 +1,109 @@
+"""The CUDA backend's Python side on a CPU: every launch the model makes, with kernels mocked out.
+
+Numbers come from tests/gpu; this checks the plumbing a GPU run would otherwise be the first to exercise: which
+kernels a decode step launches per layer, that each launch passes exactly as many arguments as the kernel declares,
+that the pointers a kernel always reads are set, and that the paged-decode grid and shared memory fit.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_model
+from tinyloop_hf import PagedTinyLoopCache, TinyLoopQuantConfig
+from tinyloop_hf.convert.quantize import quantize_model
+from tinyloop_hf.kernels import loader, ops_cuda
+
+KERNELS = Path(loader.__file__).parent
+
+
+def declared_parameters(file: str, kernel: str) -> int:
+    source = (KERNELS / file).read_text()
+    start = re.search(rf"__global__ void(?: __launch_bounds__\(\d+\))?\s+{kernel}\s*\(", source).end()
+    depth, commas = 1, 0
+    for index, char in enumerate(source[start:]):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        commas += char == "," and depth == 1
+        if depth == 0:
+            return commas + 1 if source[start : start + index].strip() else 0
+    raise AssertionError(f"unterminated parameter list of {kernel}")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
+    monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
+    monkeypatch.setattr(
+        ops_cuda, "launch", lambda fn, grid, block, args, shared_mem=0: recorded.append((*fn, grid, args, shared_mem))
+    )
+    return recorded
+
+
+def _model(variant, bits):
+    model = tiny_model(variant, hidden_size=64, intermediate_size=128)
+    if bits:
+        quantize_model(model, TinyLoopQuantConfig(bits=bits, group_size=32), progress=False)
+    model = model.to(torch.bfloat16)
+    model.set_op_backend("cuda")
+    return model
+
+
+@pytest.mark.parametrize("variant", ["ouro", "llama", "huginn"])
+def test_every_launch_matches_its_kernel_signature(variant, launches):
+    model = _model(variant, 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    ids = torch.randint(1, 256, (2, 9))
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    assert launches
+    for file, name, grid, args, shared_mem in launches:
+        kernel = name.split("<")[0]
+        assert len(args) == declared_parameters(file, kernel), name
+        assert all(isinstance(arg, (np.uint64, np.int32, np.float32)) for arg in args), name
+        assert shared_mem <= 48 * 1024 and all(isinstance(g, int) and g > 0 for g in grid), name
+
+
+def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
+    model = _model("ouro", 4)  # 2 loop-block layers x 3 loops, sandwich norms
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    ids = torch.randint(1, 256, (1, 9))
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        launches.clear()
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    heads, kv_heads, dim = 4, model.config.num_key_value_heads, model.config.head_dim
+    splits, _ = ops_cuda.decode_partition(1, kv_heads, heads // kv_heads, dim, cache.storage.capacity)
+    names = [name for _, name, *_ in launches]
+    per_layer = names[: names.index("rms_norm<__nv_bfloat16>", 1)]  # up to the next layer's input norm
+    attention = ["paged_decode", "merge_splits"] if splits > 1 else ["paged_decode"]
+    assert [n.split("<")[0] for n in per_layer] == [
+        "rms_norm", "gemv_quant", "rope_kv_append", *attention, "gemv_quant", "residual_norm", "gemv_quant",
+        "gemv_quant", "residual_norm",
+    ]  # fmt: skip
+    gate_up = per_layer[-3]
+    assert gate_up.endswith("true>") and not per_layer[1].endswith("true>")  # SwiGLU fused into gate/up
+    layer_launches = launches[: len(per_layer)]
+    qkv = layer_launches[1][3]
+    assert [int(qkv[8]), int(qkv[14]), int(qkv[20])] == [heads * dim, kv_heads * dim, kv_heads * dim]  # N0, N1, N2
+    rope = layer_launches[2][3]
+    assert all(int(rope[i]) != 0 for i in (0, 1, 2, 3, 4, 5, 8, 9))  # qkv, cos, sin, q, K/V pages, table, positions
+    assert layer_launches[3][2] == (kv_heads, 1, splits)  # paged decode grid
+    assert names.count("paged_decode<__nv_bfloat16, 0>") == model.config.num_loop_layers * model.config.num_loops
+
+
+def test_int8_kv_passes_scales(launches):
+    model = _model("llama", 8)
+    cache = PagedTinyLoopCache(model.config, kv_dtype="int8")
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 5)), past_key_values=cache, use_cache=True)
+        model(torch.randint(1, 256, (1, 1)), past_key_values=cache, use_cache=True)
+    rope = next(args for _, name, _, args, _ in launches if name.startswith("rope_kv_append"))
+    assert int(rope[6]) != 0 and int(rope[7]) != 0 and int(rope[-1]) == 1  # k/v scales, kv_int8 flag
+    assert any(name == "paged_decode<__nv_bfloat16, 1>" for _, name, *_ in launches)
