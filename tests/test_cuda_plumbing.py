@@ -58,11 +58,13 @@ def _model(variant, bits):
 def test_every_launch_matches_its_kernel_signature(variant, launches):
     model = _model(variant, 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (2, 9))
-    with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache, use_cache=True)
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
-    assert launches
+    ids = torch.randint(1, 256, (2, 44))
+    with torch.no_grad():  # prompt (80 rows: dequantize + GEMM), decode (GEMV), 3 tokens on a past (gathered K/V)
+        model(ids[:, :40], past_key_values=cache, use_cache=True)
+        model(ids[:, 40:41], past_key_values=cache, use_cache=True)
+        model(ids[:, 41:], past_key_values=cache, use_cache=True)
+    kernels = {name.split("<")[0] for _, name, *_ in launches}
+    assert {"dequantize_weight", "gemv_quant", "paged_decode", "rope_kv_append", "residual_norm"} <= kernels
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
         assert len(args) == declared_parameters(file, kernel), name
