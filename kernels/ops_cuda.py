@@ -47,10 +47,12 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def _check(tensor: torch.Tensor, what: str) -> None:
+def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
     if not tensor.is_cuda:
         raise CudaPathUnavailable(f"{what} is on {tensor.device}; the CUDA path needs every tensor on the GPU")
     cuda_type(tensor.dtype)
+    if dtype is not None and tensor.dtype != dtype:
+        raise CudaPathUnavailable(f"{what} is {tensor.dtype} but the activations are {dtype}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -126,8 +128,7 @@ def project(
     outputs = []
     for layer in layers:
         weight = dequantize_weight(layer, x.dtype) if isinstance(layer, QuantLinear) else layer.weight
-        if weight.dtype != x.dtype or not weight.is_cuda:
-            raise CudaPathUnavailable(f"weight of {type(layer).__name__} is {weight.dtype} on {weight.device}")
+        _check(weight, f"the weight of a {type(layer).__name__}", x.dtype)
         bias = layer.bias.to(x.dtype) if layer.bias is not None else None
         outputs.append(F.linear(x, weight, bias))
     y = F.silu(outputs[0]) * outputs[1] if swiglu else torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
