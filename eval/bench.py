@@ -169,6 +169,14 @@ def gemv_bandwidth(size: int = 16384, repeats: int = 50) -> dict[str, float]:
     }
 
 
+def kv_bytes_per_token(config: TinyLoopConfig, loops: int, int8: bool) -> int:
+    """K/V bytes one token costs in the paged cache at this depth (what ``PagedTinyLoopCache.bytes_per_token()``
+    reports once every slot is written): one slot per prelude/coda layer and per (loop, loop-block layer)."""
+    slots = config.num_prelude_layers + config.num_coda_layers + loops * config.num_loop_layers
+    per_head = config.head_dim * (1 if int8 else 2) + (4 if int8 else 0)  # bf16 values, or int8 + an fp32 scale
+    return slots * 2 * config.num_key_value_heads * per_head
+
+
 def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:
     from tinyloop_hf import QuantLinear
 
@@ -207,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         print("INT4 GEMV:", extras["gemv"], flush=True)
     max_context = max(args.context) + args.new_tokens
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    extras["kv_kib_per_token"] = {
+        f"L={loops}": {kind: kv_bytes_per_token(ouro_config(loops, 4096), loops, kind == "int8") / 1024
+                       for kind in ("bf16", "int8")}
+        for loops in args.loops
+    }  # fmt: skip
 
     def record(row: dict[str, Any]) -> None:  # saved as it comes, so a crash later keeps what was measured
         rows.append(row)
@@ -293,6 +306,8 @@ def markdown(rows: list[dict], extras: dict) -> str:
             f"INT4 g128 GEMV {gemv['shape']}: {gemv['int4_us']:.1f} us = {gemv['int4_tb_s']:.2f} TB/s "
             f"({gemv['speedup_vs_cublas_bf16']:.2f}x cuBLAS bf16 at {gemv['cublas_bf16_us']:.1f} us)",
         ]
+    for depth, sizes in extras.get("kv_kib_per_token", {}).items():
+        lines.append(f"KV cache per token at {depth}: {sizes['bf16']:.0f} KiB bf16, {sizes['int8']:.0f} KiB INT8")
     memory = [row for row in rows if row["impl"] == "tinyloop-cuda" and row["bits"] != 16]
     for row in {r["bits"]: r for r in memory}.values():
         lines.append(

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from helpers import tiny_model
+from tinyloop_hf import PagedTinyLoopCache
 from tinyloop_hf.cuda_path import capacity_bucket
-from tinyloop_hf.eval.bench import markdown, regression_check
+from tinyloop_hf.eval.bench import kv_bytes_per_token, markdown, ouro_config, regression_check
 from tinyloop_hf.kernels.ops_cuda import _SMEM_LIMIT, PAGE_SIZE, _decode_shared_floats, decode_partition
 
 ROWS = [
@@ -53,3 +56,13 @@ def test_decode_partition_covers_the_capacity_within_shared_memory(batch, group,
 def test_capacity_buckets_are_powers_of_two_that_fit():
     assert capacity_bucket(1) == 128 and capacity_bucket(256) == 256 and capacity_bucket(257) == 512
     assert all(capacity_bucket(n) >= n for n in range(1, 5000, 37))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_kv_memory_per_token_is_what_the_paged_cache_reports(int8):
+    model = tiny_model("huginn").to(torch.bfloat16)
+    cache = PagedTinyLoopCache(model.config, kv_dtype="int8" if int8 else "auto")
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 6)), past_key_values=cache, use_cache=True, num_loops=3)
+    assert cache.bytes_per_token() == kv_bytes_per_token(model.config, 3, int8)
+    assert kv_bytes_per_token(ouro_config(4, 4096), 4, False) == 96 * 2 * 16 * 128 * 2  # 768 KiB (kernels.md)
