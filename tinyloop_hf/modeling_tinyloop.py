@@ -220,24 +220,14 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
     def set_op_backend(self, backend: str) -> None:
         """Route every op of every module through ``backend`` ("reference", or "cuda" via ``use_cuda_path``)."""
         for module in self.modules():
-            if isinstance(module, TinyLoopPreTrainedModel):
-                module._op_backend = backend
-            elif hasattr(module, "op_backend"):
+            if hasattr(module, "op_backend"):
                 module.op_backend = backend
-
-    @property
-    def op_backend(self) -> str:
-        """The backend this model's ops run on ("reference" or "cuda")."""
-        return getattr(self, "_op_backend", REFERENCE)
 
     def new_cache(self, capacity: int | None = None) -> TinyLoopCache:
         """An empty cache for this model: a TinyLoopCache on the reference path, the paged cache on the CUDA path
         (``capacity``: tokens per row to reserve; it grows when exceeded)."""
-        path = getattr(self._cuda_root(), "_cuda_path", None)
+        path = getattr(self, "_cuda_path", None)
         return path.new_cache(capacity) if path is not None else TinyLoopCache(self.config)
-
-    def _cuda_root(self) -> Any:
-        return getattr(self, "_tinyloop_root", self)
 
     def use_cuda_path(self, kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> Any:
         """Run every op on the CUDA kernels (``kernels/``): low-bit GEMV, fused norms, paged attention with
@@ -245,18 +235,21 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         graphs inside ``generate()``. Needs CuPy, an sm_80+ GPU and a float16/bfloat16 model; raises otherwise."""
         from .cuda_path import CudaPath
 
-        self._cuda_path = CudaPath(self, kv_cache_dtype, cuda_graphs)
-        for module in self.modules():
-            if module is not self and isinstance(module, TinyLoopPreTrainedModel):
-                module._tinyloop_root = self
+        self._share_cuda_path(CudaPath(self, kv_cache_dtype, cuda_graphs))
         self.set_op_backend("cuda")
         return self
 
     def use_reference_path(self) -> Any:
         """Back to the pure-PyTorch reference ops (and unpaged caches)."""
         self.set_op_backend(REFERENCE)
-        self._cuda_path = None
+        self._share_cuda_path(None)
         return self
+
+    def _share_cuda_path(self, path: Any) -> None:
+        # The causal LM and its base model (whose forward makes caches too) use one CudaPath.
+        for module in self.modules():
+            if isinstance(module, TinyLoopPreTrainedModel):
+                module._cuda_path = path
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         # Custom generation fields are dropped on reload when the config says it was derived from the model config.
@@ -462,12 +455,10 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             raise TypeError(f"TinyLoopForCausalLM.forward got unexpected arguments: {sorted(unknown)}")
         if output_attentions:
             raise ValueError("output_attentions=True is not supported by TinyLoopForCausalLM")
-        graph_logits = self._graph_decode(
-            input_ids, attention_mask, position_ids, cache if cache is not None else past_key_values, locals()
-        )
+        given_cache = cache if cache is not None else past_key_values
+        graph_logits = self._graph_decode(input_ids, attention_mask, position_ids, given_cache, locals())
         if graph_logits is not None:
-            given = cache if cache is not None else past_key_values
-            output = TinyLoopCausalLMOutput(logits=graph_logits, **{CACHE_OUTPUT_FIELD: given})
+            output = TinyLoopCausalLMOutput(logits=graph_logits, **{CACHE_OUTPUT_FIELD: given_cache})
             return output if return_dict is not False else output.to_tuple()
         weighted = self._weighted_exit(use_weighted_exit, labels, exit_at_step, exit_threshold)
         outputs = self.model(
@@ -506,7 +497,7 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
     ) -> torch.Tensor | None:
         """Logits of a decode step replayed from a CUDA graph (CUDA path), or None to run the step normally."""
         path = getattr(self, "_cuda_path", None)
-        if path is None or use_cache_disabled(arguments):
+        if path is None or arguments.get("use_cache") is False:
             return None
         key = path.graph_key(input_ids, cache, arguments)
         return None if key is None else path.decode(key, input_ids, attention_mask, position_ids, cache)
@@ -547,10 +538,6 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
 # ----------------------------------------------------------------------------------------------------------------------
 # Input resolution helpers
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def use_cache_disabled(arguments: dict[str, Any]) -> bool:
-    return arguments.get("use_cache") is False
 
 
 def _slot(cache: TinyLoopCache | None, stage: str, layer: int, loop: int = 0) -> int:
