@@ -26,6 +26,10 @@ from .configuration_tinyloop import TinyLoopConfig
 
 PAGE_SIZE = 16
 KV_DTYPES = ("auto", "int8")
+_LEFT_PADDING_ONLY = (
+    "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
+    "this attention_mask has zeros after the first one"
+)
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
@@ -113,23 +117,23 @@ class PagedTinyLoopCache(TinyLoopCache):
             positions = torch.arange(self.length, needed, dtype=torch.int32, device=like.device)
             self.step_positions = positions.repeat(batch)
         storage.lengths.fill_(needed)
-        if attention_mask is not None:
+        if self.length == 0:
             self._set_starts(attention_mask)
-        elif self.length == 0:
-            storage.starts.zero_()
+        elif attention_mask is not None and not bool(attention_mask[:, self.length :].all()):
+            raise ValueError(_LEFT_PADDING_ONLY)  # the padding was fixed by the prompt; new tokens are all attended
         self.step_tokens = new_tokens
 
-    def _set_starts(self, attention_mask: torch.Tensor) -> None:
-        """First attended position of each row; only left padding can be expressed (checked)."""
+    def _set_starts(self, attention_mask: torch.Tensor | None) -> None:
+        """First attended position of each row (set by the prompt); only left padding can be expressed (checked)."""
+        if attention_mask is None:
+            self.storage.starts.zero_()
+            return
         mask = attention_mask.to(device=self.storage.device, dtype=torch.int32)
         starts = (mask.cumsum(-1) == 0).sum(-1).to(torch.int32)
         positions = torch.arange(mask.shape[1], device=mask.device)
         expected = (positions[None] >= starts[:, None]).to(torch.int32)
         if not torch.equal(mask, expected):
-            raise ValueError(
-                "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
-                "this attention_mask has zeros after the first one"
-            )
+            raise ValueError(_LEFT_PADDING_ONLY)
         self.storage.starts.copy_(starts)
 
     def end_step(self) -> None:
@@ -148,22 +152,30 @@ class PagedTinyLoopCache(TinyLoopCache):
 
     def _allocate(self, batch: int, capacity: int, like: torch.Tensor) -> None:
         old = self.storage
-        self.storage = self._provider(
+        self.storage = self._new_storage(batch, capacity, like.dtype, like.device)
+        if old is not None and self.length:
+            if old.batch != batch:
+                raise ValueError(f"the batch changed from {old.batch} to {batch} rows while the cache holds tokens")
+            self._copy_rows(old, torch.arange(batch, device=old.device))
+
+    def _new_storage(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> PagedStorage:
+        return self._provider(
             batch=batch,
             capacity=capacity,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            dtype=like.dtype,
+            dtype=dtype,
             int8=self.kv_dtype == "int8",
-            device=like.device,
+            device=device,
         )
-        if old is not None and self.length:
-            if old.batch != batch:
-                raise ValueError(f"the batch changed from {old.batch} to {batch} rows while the cache holds tokens")
-            for slot, tensors in old.pages.items():
-                for new, previous in zip(self.storage.slot(slot), tensors, strict=True):
-                    _row_view(new, batch)[:, : old.blocks_per_row].copy_(_row_view(previous, batch))
-            self.storage.starts.copy_(old.starts)
+
+    def _copy_rows(self, old: PagedStorage, rows: torch.Tensor) -> None:
+        """Row b of the (new) storage takes the pages and start of ``old`` row rows[b] (a larger storage keeps
+        them in its first blocks)."""
+        for slot, tensors in old.pages.items():
+            for new, previous in zip(self.storage.slot(slot), tensors, strict=True):
+                _row_view(new, len(rows))[:, : old.blocks_per_row].copy_(_row_view(previous, old.batch)[rows])
+        self.storage.starts.copy_(old.starts[rows])
 
     # -- reference-path read/write ------------------------------------------------------------------------------------
 
@@ -231,33 +243,17 @@ class PagedTinyLoopCache(TinyLoopCache):
     def reset(self) -> None:
         self.length, self.slot_lengths = 0, {}
 
-    def _map_rows(self, index: torch.Tensor) -> None:
-        """Row b takes the contents of row index[b] (same batch size: in place, buffers keep their addresses)."""
-        if self.storage is None:
-            return
-        index = index.to(self.storage.device)
-        for tensors in self.storage.pages.values():
-            for tensor in tensors:
-                view = _row_view(tensor, self.storage.batch)
-                view.copy_(view.index_select(0, index))
-        self.storage.starts.copy_(self.storage.starts.index_select(0, index))
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_rows(beam_idx)
+        """Row b takes the contents of row beam_idx[b], in place: buffers keep their addresses (graphs stay valid)."""
+        if self.storage is not None:
+            self._copy_rows(self.storage, beam_idx.to(self.storage.device))
 
     def _rebuild(self, index: torch.Tensor) -> None:
         old = self.storage
         if old is None:
             return
-        index = index.to(old.device)
-        self.storage = self._provider(
-            batch=len(index), capacity=old.capacity, kv_heads=old.kv_heads, head_dim=old.head_dim,
-            dtype=old.dtype, int8=old.int8, device=old.device,
-        )  # fmt: skip
-        for slot, tensors in old.pages.items():
-            for new, previous in zip(self.storage.slot(slot), tensors, strict=True):
-                _row_view(new, len(index)).copy_(_row_view(previous, old.batch).index_select(0, index))
-        self.storage.starts.copy_(old.starts.index_select(0, index))
+        self.storage = self._new_storage(len(index), old.capacity, old.dtype, old.device)
+        self._copy_rows(old, index.to(old.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.storage is not None:
