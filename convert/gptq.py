@@ -18,6 +18,7 @@ from tinyloop_hf.quant_tinyloop import (
     group_parameters,
     pack,
     quantize_codes,
+    split_groups,
 )
 
 BLOCK = 128
@@ -60,8 +61,7 @@ def gptq_quantize(
     zeros = torch.zeros(rows, fmt.groups(columns), dtype=torch.int64, device=W.device)
     static = act_order or fmt.group_size is None
     if static:
-        padded = torch.nn.functional.pad(W, (0, fmt.groups(columns) * width - columns))
-        scale, zero = group_parameters(padded.reshape(rows * fmt.groups(columns), width), fmt)
+        scale, zero = group_parameters(split_groups(W, fmt), fmt)
         scales[:], zeros[:] = scale.reshape(rows, -1), zero.reshape(rows, -1).to(torch.int64)
     order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(columns, device=W.device)
     W, H = W[:, order], H[order][:, order]

@@ -193,14 +193,19 @@ def quantize_codes(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return torch.clamp(torch.round(weight.float() / scale[:, None]) + zero[:, None], 0, fmt.max_code)
 
 
+def split_groups(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """[N, K] -> [N * groups, width] in fp32, a short last group zero-padded (which changes no group's parameters:
+    every group's range already includes 0)."""
+    rows, columns = weight.shape
+    width, groups = fmt.group_width(columns), fmt.groups(columns)
+    return torch.nn.functional.pad(weight.float(), (0, groups * width - columns)).reshape(rows * groups, width)
+
+
 def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
     """Round-to-nearest quantization of ``weight`` [N, K]."""
     rows, columns = weight.shape
     fmt.check_shape(columns)
-    width, groups = fmt.group_width(columns), fmt.groups(columns)
-    # Zero padding of a short last group changes nothing: every group's range already includes 0.
-    padded = torch.nn.functional.pad(weight.float(), (0, groups * width - columns))
-    grouped = padded.reshape(rows * groups, width)
+    grouped = split_groups(weight, fmt)
     scale, zero = group_parameters(grouped, fmt)
     codes = quantize_codes(grouped, scale, zero, fmt).to(torch.int64).reshape(rows, -1)[:, :columns]
     scales = scale.reshape(rows, -1).to(SCALE_DTYPES[fmt.scale_dtype])
