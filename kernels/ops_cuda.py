@@ -10,8 +10,10 @@ Everything a kernel cannot serve raises CudaPathUnavailable with the reason; not
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -65,35 +67,68 @@ def group_shift(fmt: Any) -> int:
     return 31 if fmt.group_size is None else fmt.group_size.bit_length() - 1
 
 
-def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
-    fmt = layers[0].format
+@dataclass
+class _GemvPlan:
+    """What a GEMV launch over fixed layers always passes (built once per layer tuple: Python time per call
+    dominates an eager decode step, ~1,000 launches)."""
+
+    pointers: tuple[int, ...]  # data_ptr of every layer's qweight: the plan is rebuilt when weights move
+    matrices: tuple
+    tail: tuple
+    out_features: int
+    blocks: int
+    names: dict[int, str]
+
+
+def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
+    owner = layers[0]
+    pointers = tuple(layer.qweight.data_ptr() for layer in layers)
+    cached = owner.__dict__.get("_gemv_plans", {}).get((swiglu, dtype, len(layers)))
+    if cached is not None and cached.pointers == pointers:
+        return cached
+    fmt = owner.format
     if any(layer.format != fmt for layer in layers):
         raise CudaPathUnavailable("fused projections need one quantization format for all of them")
-    rows, K = x.shape
+    K = owner.in_features
     sizes = [layer.out_features for layer in layers]
     out_features = sizes[0] if swiglu else sum(sizes)
-    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     R = 4 if out_features >= 8192 else 2
-    blocks = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
-    group = group_shift(fmt)
-    mats = []
+    matrices: list = []
     for index in range(3):
         if index < len(layers):
             layer = layers[index]
-            mats += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-                     ptr(getattr(layer, "zeros", None)), ptr(layer.bias), i32(layer.out_features)]  # fmt: skip
+            matrices += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
+                         ptr(getattr(layer, "zeros", None)), ptr(layer.bias), i32(layer.out_features)]  # fmt: skip
         else:
-            mats += [ptr(None)] * 5 + [i32(0)]
-    scale_bf16 = i32(int(layers[0].scales.dtype == torch.bfloat16))
+            matrices += [ptr(None)] * 5 + [i32(0)]
+    tail = (i32(out_features), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
+            i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
+    flag = "true" if swiglu else "false"
+    plan = _GemvPlan(
+        pointers,
+        tuple(matrices),
+        tail,
+        out_features,
+        sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes)),
+        {m: f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {m}, {R}, {flag}>" for m in (1, 4, 8)},
+    )
+    owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
+    return plan
+
+
+def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
+    plan = _gemv_plan(layers, swiglu, x.dtype)
+    rows, K = x.shape
+    y = torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
+    row_bytes, out_bytes = K * x.element_size(), plan.out_features * y.element_size()
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
-        name = f"gemv_quant<{fmt.bits}, {cuda_type(x.dtype)}, {maxm}, {R}, {'true' if swiglu else 'false'}>"
-        res = residual[start:] if residual is not None else None
-        args = (ptr(x[start:]), i32(chunk), i32(K), *mats, ptr(res), i32(out_features), ptr(y[start:]),
-                i32(out_features), i32(K), i32(group), i32(fmt.groups(K)), scale_bf16, i32(fmt.midpoint))  # fmt: skip
-        launch(kernel("gemv_quant.cu", name), (blocks,), (_THREADS,), args)
+        res = np.uint64(residual.data_ptr() + start * out_bytes) if residual is not None else ptr(None)
+        args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, res,
+                plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
+        launch(kernel("gemv_quant.cu", plan.names[maxm]), (plan.blocks,), (_THREADS,), args)
     return y
 
 
