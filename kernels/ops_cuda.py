@@ -72,7 +72,7 @@ class _GemvPlan:
     """What a GEMV launch over fixed layers always passes (built once per layer tuple: Python time per call
     dominates an eager decode step, ~1,000 launches)."""
 
-    pointers: tuple[int, ...]  # data_ptr of every layer's qweight: the plan is rebuilt when weights move
+    pointers: tuple[int, ...]  # every tensor the launch reads: the plan is rebuilt when any of them moves
     matrices: tuple
     tail: tuple
     out_features: int
@@ -80,9 +80,16 @@ class _GemvPlan:
     names: dict[int, str]
 
 
+def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
+    """The tensors a GEMV launch reads from one layer, in kernel argument order."""
+    names = ("qweight", "qweight_high", "scales", "zeros", "bias")
+    return tuple(getattr(layer, name, None) for name in names)
+
+
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
-    pointers = tuple(layer.qweight.data_ptr() for layer in layers)
+    tensors = [_layer_tensors(layer) for layer in layers]
+    pointers = tuple(0 if t is None else t.data_ptr() for group in tensors for t in group)
     cached = owner.__dict__.get("_gemv_plans", {}).get((swiglu, dtype, len(layers)))
     if cached is not None and cached.pointers == pointers:
         return cached
@@ -96,9 +103,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     matrices: list = []
     for index in range(3):
         if index < len(layers):
-            layer = layers[index]
-            matrices += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-                         ptr(getattr(layer, "zeros", None)), ptr(layer.bias), i32(layer.out_features)]  # fmt: skip
+            matrices += [*map(ptr, tensors[index]), i32(layers[index].out_features)]
         else:
             matrices += [ptr(None)] * 5 + [i32(0)]
     tail = (i32(out_features), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
@@ -116,7 +121,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     return plan
 
 
-def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: torch.Tensor | None) -> torch.Tensor:
+def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Tensor:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
@@ -125,8 +130,7 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, residual: to
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
-        res = np.uint64(residual.data_ptr() + start * out_bytes) if residual is not None else ptr(None)
-        args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, res,
+        args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
                 plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
         launch(kernel("gemv_quant.cu", plan.names[maxm]), (plan.blocks,), (_THREADS,), args)
     return y
@@ -151,23 +155,20 @@ def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def project(
-    x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False, residual: torch.Tensor | None = None
-) -> torch.Tensor:
+def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False) -> torch.Tensor:
     """x [M, K] through one or more linears (outputs concatenated), or silu(gate(x)) * up(x) when ``swiglu``."""
     _check(x, "the activation")
     x = x.contiguous()
     quantized = [isinstance(layer, QuantLinear) for layer in layers]
     if all(quantized) and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
-        return _gemv(x, layers, swiglu, residual)
+        return _gemv(x, layers, swiglu)
     outputs = []
     for layer in layers:
         weight = dequantize_weight(layer, x.dtype) if isinstance(layer, QuantLinear) else layer.weight
         _check(weight, f"the weight of a {type(layer).__name__}", x.dtype)
         bias = layer.bias.to(x.dtype) if layer.bias is not None else None
         outputs.append(F.linear(x, weight, bias))
-    y = F.silu(outputs[0]) * outputs[1] if swiglu else torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-    return y + residual if residual is not None else y
+    return F.silu(outputs[0]) * outputs[1] if swiglu else torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
 
 
 @register_op("quant_linear", CUDA)
@@ -273,7 +274,7 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(x.dtype)}>"), (math.ceil(warps / 4),), (128,), args)
 
     if steps == 1 and cache is not None:
-        out = paged_decode(query.view(batch, heads, dim), cache, storage.slot(slot), module.scaling)
+        out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
     else:
         q = query.view(batch, steps, heads, dim).transpose(1, 2)
         if cache is None or cache.length == 0:

@@ -109,3 +109,24 @@ def test_int8_kv_passes_scales(launches):
     rope = next(args for _, name, _, args, _ in launches if name.startswith("rope_kv_append"))
     assert int(rope[6]) != 0 and int(rope[7]) != 0 and int(rope[-1]) == 1  # k/v scales, kv_int8 flag
     assert any(name == "paged_decode<__nv_bfloat16, 1>" for _, name, *_ in launches)
+
+
+def test_gemv_launches_read_the_layers_current_tensors(launches):
+    model = _model("huginn", 4)  # q/k biases
+    attention = model.model.prelude_layers[0].self_attn  # the first QKV launch of a forward
+    ids = torch.randint(1, 256, (1, 3))
+
+    def qkv_args():
+        launches.clear()
+        with torch.no_grad():
+            model(ids, past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
+        q_width = attention.q_proj.out_features
+        return next(args for _, name, _, args, _ in launches if name.startswith("gemv") and int(args[8]) == q_width)
+
+    args = qkv_args()
+    q, k = attention.q_proj, attention.k_proj
+    assert [int(args[i]) for i in (3, 5, 6, 7)] == [q.qweight.data_ptr(), q.scales.data_ptr(), q.zeros.data_ptr(),
+                                                    q.bias.data_ptr()]  # fmt: skip
+    assert int(args[9]) == k.qweight.data_ptr() and int(args[13]) == k.bias.data_ptr()
+    k.bias.data = k.bias.data.clone()  # a tensor moves (as .to() would): the cached launch plan must follow
+    assert int(qkv_args()[13]) == k.bias.data_ptr()
