@@ -98,6 +98,8 @@ __device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int ro
 }
 
 // Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
+// Every load of an iteration (the R rows' weights, their scales / zeros, INT3's high plane) is issued before any
+// math, so one memory latency, not three in a chain, is paid per 16-byte chunk.
 template <int BITS, typename T, int MAXM, int R>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
                                          int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
@@ -115,9 +117,15 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         const bool full = c < chunks;
         const int first_word = full ? 4 * c : 4 * chunks + (c - chunks);
         const int count = full ? 4 : 1;
+        // A chunk spans one group, or two (INT2/INT3 chunks are 64 columns; groups can be 32).
+        const int group0 = (first_word * cpw) >> group_shift;
+        const int group1 = ((first_word + count - 1) * cpw) >> group_shift;
         unsigned ws[R][4];
+        unsigned hs[R][2];
+        unsigned short scale_bits[R][2];
+        int zero[R][2];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {  // all R loads in flight before any math
+        for (int r = 0; r < R; ++r) {
             const int row = min(row0 + r, N - 1);
             const unsigned* base = mat.qweight + static_cast<long long>(row) * words;
             if (full) {
@@ -126,28 +134,30 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
             } else {
                 ws[r][0] = __ldg(base + first_word);
             }
+            if constexpr (BITS == 3) {
+                const unsigned* high = mat.qhigh + static_cast<long long>(row) * (words / 2) + first_word / 2;
+                hs[r][0] = __ldg(high);
+                hs[r][1] = full ? __ldg(high + 1) : 0u;
+            }
+            const long long gi = static_cast<long long>(row) * groups;
+            scale_bits[r][0] = __ldg(mat.scales + gi + group0);
+            scale_bits[r][1] = __ldg(mat.scales + gi + group1);
+            zero[r][0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
+            zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-            const int row = row0 + r;
-            if (row >= N) break;
-            int group = -1;
-            float s = 0.0f;
-            int z = midpoint;
+            if (row0 + r >= N) break;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 if (i < count) {
                     const int word_index = first_word + i;
                     const int col0 = word_index * cpw;
-                    const int g = col0 >> group_shift;
-                    if (g != group) {  // a 16-byte chunk spans one group, or two for INT2/INT3 at g32
-                        group = g;
-                        const long long gi = static_cast<long long>(row) * groups + g;
-                        s = scale_to_float(__ldg(mat.scales + gi), scale_is_bf16);
-                        if (mat.zeros) z = static_cast<int>(__ldg(mat.zeros + gi));
-                    }
-                    accumulate_word<BITS, T, MAXM>(ws[r][i], high_bits_for<BITS>(mat, row, words, word_index), col0,
-                                                   s, z, x, ldx, M, acc[r]);
+                    const int k = (col0 >> group_shift) == group0 ? 0 : 1;
+                    unsigned high = 0u;
+                    if constexpr (BITS == 3) high = hs[r][i / 2] >> (8 * (word_index & 1));
+                    accumulate_word<BITS, T, MAXM>(ws[r][i], high, col0, scale_to_float(scale_bits[r][k], scale_is_bf16),
+                                                   zero[r][k], x, ldx, M, acc[r]);
                 }
             }
         }

@@ -297,7 +297,7 @@ def _decode_shared_floats(group: int, dim: int, chunk: int) -> int:
 def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: int) -> tuple[int, int]:
     """(splits, chunk) for paged decode: enough CTAs to fill the GPU, chunks that fit shared memory."""
     max_chunk = (_SMEM_LIMIT // 4 - _decode_shared_floats(group, dim, 0)) // (group + 1) // PAGE_SIZE * PAGE_SIZE
-    wanted = min(math.ceil(264 / (batch * kv_heads)), math.ceil(capacity / 64))
+    wanted = math.ceil(264 / (batch * kv_heads))  # the kernel spreads the actual length over all splits
     splits = max(1, wanted, math.ceil(capacity / max_chunk))
     chunk = math.ceil(capacity / splits / PAGE_SIZE) * PAGE_SIZE
     return math.ceil(capacity / chunk), chunk

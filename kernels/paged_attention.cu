@@ -10,6 +10,7 @@
 
 constexpr int PAGE = 16;
 constexpr int MAX_GROUP = 8;
+constexpr int UNROLL = 4;  // tokens per thread whose loads are in flight together
 
 // 8 consecutive K or V elements of one token and head (a 16-byte load in T, 8 bytes in int8), as fp32.
 template <typename T, int KV_INT8>
@@ -47,7 +48,10 @@ __global__ void __launch_bounds__(128) paged_decode(
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int length = lengths[b], start = starts[b];
-    const int t0 = split * chunk, n = max(0, min(length, t0 + chunk) - t0);
+    // The tokens are spread over all splits whatever the length (the grid is fixed per cache capacity, so that
+    // a captured graph serves every step): span <= chunk, the shared-memory stride, since length <= capacity.
+    const int span = (length + splits - 1) / splits;
+    const int t0 = split * span, n = max(0, min(length, t0 + span) - t0);
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
         q_s[i] = to_float(q[(static_cast<long long>(b) * Hq + kv_head * G + g) * D + d]) * scale_log2;
@@ -59,21 +63,30 @@ __global__ void __launch_bounds__(128) paged_decode(
     __syncthreads();
     const int sub = threadIdx.x / per_token, offset = (threadIdx.x % per_token) * 8;
     // Phase 1: scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
-    for (int base = 0; base < n; base += tokens_per_pass) {
-        const int i = base + sub;
-        float k[8];
-        if (i < n) {
-            load8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset, k);
-        } else {
+    // UNROLL tokens per thread are loaded before any math, so their latencies overlap.
+    for (int base = 0; base < n; base += UNROLL * tokens_per_pass) {
+        float k[UNROLL][8];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) k[e] = 0.0f;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * tokens_per_pass + sub;
+            if (i < n) {
+                load8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset, k[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
+            }
         }
-        for (int g = 0; g < G; ++g) {
-            float dot = 0.0f;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
-            for (int width = per_token / 2; width > 0; width >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, width);
-            if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * tokens_per_pass + sub;
+            for (int g = 0; g < G; ++g) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[u][e];
+                for (int width = per_token / 2; width > 0; width >>= 1)
+                    dot += __shfl_xor_sync(0xffffffffu, dot, width);
+                if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
+            }
         }
     }
     __syncthreads();
@@ -101,15 +114,23 @@ __global__ void __launch_bounds__(128) paged_decode(
     for (int g = 0; g < MAX_GROUP; ++g)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
-    for (int i = sub; i < n; i += tokens_per_pass) {
-        float v[8];
-        load8<T, KV_INT8>(v_pages, v_scale, slots[i], D, offset, v);
+    for (int base = sub; base < n; base += UNROLL * tokens_per_pass) {
+        float v[UNROLL][8];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
-            if (g < G) {
-                const float p = scores[g * chunk + i];
+        for (int u = 0; u < UNROLL; ++u)
+            if (base + u * tokens_per_pass < n) load8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D,
+                                                                  offset, v[u]);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * tokens_per_pass;
+            if (i >= n) break;
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g) {
+                if (g < G) {
+                    const float p = scores[g * chunk + i];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[u][e];
+                }
             }
         }
     }
