@@ -22,10 +22,34 @@ struct QuantMatrix {
     const unsigned char* zeros;    // [N, groups] or null (symmetric: midpoint)
 };
 
-// Adds the contribution of one weight word (columns col0 ...) of one row to acc[m] for every activation row.
+// Activations of one weight word's columns, per token row: INT4 8 columns = one uint4, INT2/INT3 16 = two, INT8 4
+// columns = half of one. Loaded once per word and reused by every weight row of the warp.
+template <int BITS> struct XWords {
+    static constexpr int count = BITS == 8 ? 1 : Layout<BITS>::cols_per_word / 8;
+};
+
 template <int BITS, typename T, int MAXM>
-__device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, int col0, float scale, int zero,
-                                                const T* __restrict__ x, int ldx, int M, float* acc) {
+__device__ __forceinline__ void load_x(const T* __restrict__ x, int ldx, int col0, int M,
+                                       uint4 (&xv)[MAXM][XWords<BITS>::count]) {
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            if constexpr (BITS == 8) {
+                const uint2 raw = *reinterpret_cast<const uint2*>(x + m * ldx + col0);
+                xv[m][0] = make_uint4(raw.x, raw.y, 0u, 0u);
+            } else {
+#pragma unroll
+                for (int v = 0; v < XWords<BITS>::count; ++v)
+                    xv[m][v] = reinterpret_cast<const uint4*>(x + m * ldx + col0)[v];
+            }
+        }
+    }
+}
+
+// Adds the contribution of one weight word of one row to acc[m] for every activation row.
+template <int BITS, typename T, int MAXM>
+__device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, float scale, int zero,
+                                                const uint4 (&xv)[MAXM][XWords<BITS>::count], int M, float* acc) {
     using T2 = typename Vec2<T>::type;
     if constexpr (BITS == 8) {
         // 4 columns: bytes (k0, k2, k1, k3). Exact through the fp32 magic 2^23 + byte.
@@ -38,8 +62,7 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, in
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
             if (m < M) {
-                const uint2 raw = *reinterpret_cast<const uint2*>(x + m * ldx + col0);
-                const float2 a = to_float2(bits_as_vec2<T>(raw.x)), b = to_float2(bits_as_vec2<T>(raw.y));
+                const float2 a = to_float2(bits_as_vec2<T>(xv[m][0].x)), b = to_float2(bits_as_vec2<T>(xv[m][0].y));
                 acc[m] += scale * (w[0] * a.x + w[1] * a.y + w[2] * b.x + w[3] * b.y);
             }
         }
@@ -59,12 +82,10 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, in
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
             if (m < M) {
-                const uint4* xv = reinterpret_cast<const uint4*>(x + m * ldx + col0);
                 float sum = 0.0f;
 #pragma unroll
                 for (int v = 0; v < pairs / 4; ++v) {
-                    const uint4 raw = xv[v];
-                    const unsigned xs[4] = {raw.x, raw.y, raw.z, raw.w};
+                    const unsigned xs[4] = {xv[m][v].x, xv[m][v].y, xv[m][v].z, xv[m][v].w};
                     if constexpr (sizeof(T) == 2 && Magic<T>::bits == 0x4300u) {
                         // bf16: accumulate 4 exact-weight products in bf16x2 (fp32 range, no overflow).
                         T2 part = __hmul2(w[4 * v], bits_as_vec2<T>(xs[0]));
@@ -146,18 +167,21 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
             zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
         }
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            if (row0 + r >= N) break;
+        for (int i = 0; i < 4; ++i) {
+            if (i < count) {
+                const int word_index = first_word + i;
+                const int col0 = word_index * cpw;
+                const int k = (col0 >> group_shift) == group0 ? 0 : 1;
+                uint4 xv[MAXM][XWords<BITS>::count];
+                load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (i < count) {
-                    const int word_index = first_word + i;
-                    const int col0 = word_index * cpw;
-                    const int k = (col0 >> group_shift) == group0 ? 0 : 1;
-                    unsigned high = 0u;
-                    if constexpr (BITS == 3) high = hs[r][i / 2] >> (8 * (word_index & 1));
-                    accumulate_word<BITS, T, MAXM>(ws[r][i], high, col0, scale_to_float(scale_bits[r][k], scale_is_bf16),
-                                                   zero[r][k], x, ldx, M, acc[r]);
+                for (int r = 0; r < R; ++r) {
+                    if (row0 + r < N) {
+                        unsigned high = 0u;
+                        if constexpr (BITS == 3) high = hs[r][i / 2] >> (8 * (word_index & 1));
+                        accumulate_word<BITS, T, MAXM>(ws[r][i], high, scale_to_float(scale_bits[r][k], scale_is_bf16),
+                                                       zero[r][k], xv, M, acc[r]);
+                    }
                 }
             }
         }

@@ -34,7 +34,7 @@ _SMEM_LIMIT = 48 * 1024
 def instantiations(full: bool = True) -> dict[str, list[str]]:
     """Every kernel name this backend may request, by source file (``full=False``: one per code path)."""
     types = list(CUDA_TYPES)
-    gemv_variants = [(m, r, sw) for m in (1, 4, 8) for r in (2, 4) for sw in ("true", "false")]
+    gemv_variants = [(m, r, sw) for m, r in ((1, 2), (1, 4), (4, 4), (8, 4)) for sw in ("true", "false")]
     if not full:
         gemv_variants = [(1, 2, "false"), (8, 4, "true")]
     return {
@@ -76,8 +76,7 @@ class _GemvPlan:
     matrices: tuple
     tail: tuple
     out_features: int
-    blocks: int
-    names: dict[int, str]
+    launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
 
 
 def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
@@ -99,7 +98,6 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     K = owner.in_features
     sizes = [layer.out_features for layer in layers]
     out_features = sizes[0] if swiglu else sum(sizes)
-    R = 4 if out_features >= 8192 else 2
     matrices: list = []
     for index in range(3):
         if index < len(layers):
@@ -109,14 +107,14 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     tail = (i32(out_features), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
             i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
     flag = "true" if swiglu else "false"
-    plan = _GemvPlan(
-        pointers,
-        tuple(matrices),
-        tail,
-        out_features,
-        sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes)),
-        {m: f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {m}, {R}, {flag}>" for m in (1, 4, 8)},
-    )
+    launches = {}
+    for rows in (1, 4, 8):
+        # One token row: 2-4 weight rows per warp. Several token rows: 4 weight rows per warp, so each activation
+        # load (one per token row and word) serves 4 rows (8 spill registers: measured with ptxas -v).
+        R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
+        ctas = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
+        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}>", ctas)
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
@@ -132,7 +130,8 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Ten
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
                 plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
-        launch(kernel("gemv_quant.cu", plan.names[maxm]), (plan.blocks,), (_THREADS,), args)
+        name, ctas = plan.launches[maxm]
+        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args)
     return y
 
 
