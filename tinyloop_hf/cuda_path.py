@@ -20,6 +20,7 @@ from .compat import graph_capturing
 from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype
 
 MIN_CAPACITY = 128
+PREFILL_BUCKET = 64  # prompt lengths are padded up to a multiple of this inside prefill graphs
 
 
 def capacity_bucket(tokens: int) -> int:
@@ -32,7 +33,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    logits: torch.Tensor
+    output: torch.Tensor  # decode: logits [B, 1, V]; prefill: last hidden states [B, bucket, H]
     slots: list[int]
 
 
@@ -74,17 +75,17 @@ class CudaPath:
             self.storages[key] = PagedStorage(**kwargs)
         return self.storages[key]
 
-    # -- CUDA-graph decode -------------------------------------------------------------------------------------------
+    # -- CUDA graphs: decode steps, and prompts padded on the right to a bucket -----------------------------------
 
     def graph_key(self, input_ids: Any, cache: Any, arguments: dict[str, Any]) -> tuple | None:
-        """The key of a decode step a graph can serve, or None (the step then runs eagerly, on the same kernels)."""
+        """The key of a step a graph can serve, or None (the step then runs eagerly, on the same kernels).
+
+        Decode: one new token per row. Prefill: a fresh cache, no padding (prompts are padded on the right to a
+        multiple of PREFILL_BUCKET inside the graph: under causal attention the pads never reach a real position,
+        and their K/V lie beyond the cache length, where the next tokens overwrite them)."""
         if not self.use_graphs or graph_capturing() or torch.is_grad_enabled():
             return None
-        if input_ids is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
-            return None
-        if not isinstance(cache, PagedTinyLoopCache) or cache.storage is None or cache.length == 0:
-            return None
-        if cache.length + 1 > cache.storage.capacity:
+        if input_ids is None or input_ids.dim() != 2 or not isinstance(cache, PagedTinyLoopCache):
             return None
         config = self.model.config
         if config.initial_state == "random":  # the seeded state is drawn on the host, which a graph cannot replay
@@ -101,20 +102,38 @@ class CudaPath:
             and arguments.get("exit_at_step") is None
             and not arguments.get("use_weighted_exit")
             and not arguments.get("output_hidden_states")
-            and arguments.get("logits_to_keep") in (0, 1)
         )
         if not plain:
             return None
-        return (input_ids.shape[0], loops, id(cache.storage), cache.storage.capacity)
+        batch, steps = input_ids.shape
+        if steps == 1:
+            if cache.storage is None or cache.length == 0 or cache.length + 1 > cache.storage.capacity:
+                return None
+            if arguments.get("logits_to_keep") not in (0, 1):
+                return None
+            return ("decode", batch, loops, id(cache.storage), cache.storage.capacity)
+        bucket = -(-steps // PREFILL_BUCKET) * PREFILL_BUCKET
+        if cache.length != 0 or arguments.get("logits_to_keep") != 1 or bucket > cache.capacity:
+            return None
+        mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
+        if mask is not None and not bool(mask.all()):
+            return None
+        if positions is not None and not torch.equal(positions.cpu(), torch.arange(steps).expand(batch, -1)):
+            return None
+        cache.reserve(batch, bucket, self.model.dtype, input_ids.device)
+        return ("prefill", batch, bucket, loops, id(cache.storage), cache.storage.capacity)
 
-    def decode(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
-        """Run one decode step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
+    def run(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
+        """Logits of the step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
         if key not in self.graphs:
             if key not in self.warmed:
                 self.warmed.add(key)
                 return None
-            self.graphs[key] = self._capture(key, input_ids, cache)
+            capture = self._capture_decode if key[0] == "decode" else self._capture_prefill
+            self.graphs[key] = capture(key, input_ids, cache)
         entry = self.graphs[key]
+        if key[0] == "prefill":
+            return self._replay_prefill(entry, input_ids, cache)
         config = self.model.config
         if cache.length >= config.max_position_embeddings:
             raise ValueError(
@@ -123,12 +142,26 @@ class CudaPath:
             )
         entry.input_ids.copy_(input_ids)
         entry.position_ids.copy_(self._positions(input_ids, attention_mask, position_ids, cache))
-        cache.begin_step(input_ids.shape[0], 1, None, entry.logits)
+        cache.begin_step(input_ids.shape[0], 1, None, entry.output)
         for slot in entry.slots:
             cache.mark_written(slot)
         entry.graph.replay()
         cache.end_step()
-        return entry.logits.clone()
+        return entry.output.clone()
+
+    def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
+        steps = input_ids.shape[1]
+        if steps > self.model.config.max_position_embeddings:
+            raise ValueError(
+                f"position {steps - 1} is beyond the context of this model "
+                f"(TinyLoopConfig.max_position_embeddings={self.model.config.max_position_embeddings})"
+            )
+        entry.input_ids.zero_()
+        entry.input_ids[:, :steps].copy_(input_ids)
+        entry.graph.replay()
+        cache.length = steps
+        cache.slot_lengths.update(dict.fromkeys(entry.slots, steps))
+        return self.model.lm_head(entry.output[:, steps - 1 : steps])
 
     @staticmethod
     def _positions(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> torch.Tensor:
@@ -138,21 +171,50 @@ class CudaPath:
             return attention_mask.long().sum(-1, keepdim=True) - 1
         return torch.full_like(input_ids, cache.length)
 
-    def _capture(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
-        static_ids = input_ids.clone()
-        static_positions = torch.full_like(input_ids, cache.length)
+    def _record(self, cache: PagedTinyLoopCache, step: Any) -> tuple[torch.cuda.CUDAGraph, Any, list[int]]:
+        """Capture ``step()`` (which runs the model on ``cache``); the capture executes nothing, so the cache's
+        bookkeeping is put back and the slots the step writes are returned for the replays to mark."""
         length, slot_lengths = cache.length, dict(cache.slot_lengths)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model(
-                input_ids=static_ids,
-                position_ids=static_positions,
-                past_key_values=cache,
-                use_cache=True,
-                num_loops=key[1],
-                logits_to_keep=1,
-            ).logits
+            output = step()
         slots = sorted(slot for slot, held in cache.slot_lengths.items() if held != slot_lengths.get(slot))
-        cache.length, cache.slot_lengths = length, slot_lengths  # the capture ran nothing
+        cache.length, cache.slot_lengths = length, slot_lengths
+        return graph, output, slots
+
+    def _capture_decode(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
+        static_ids = input_ids.clone()
+        static_positions = torch.full_like(input_ids, cache.length)
+        graph, logits, slots = self._record(
+            cache,
+            lambda: (
+                self.model(
+                    input_ids=static_ids,
+                    position_ids=static_positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    num_loops=key[2],
+                    logits_to_keep=1,
+                ).logits
+            ),
+        )
         return _Graph(graph, static_ids, static_positions, logits, slots)
+
+    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
+        batch, bucket = key[1], key[2]
+        static_ids = torch.zeros(batch, bucket, dtype=input_ids.dtype, device=input_ids.device)
+        static_positions = torch.arange(bucket, device=input_ids.device)[None].expand(batch, -1).contiguous()
+        graph, hidden, slots = self._record(
+            cache,
+            lambda: (
+                self.model.model(
+                    input_ids=static_ids,
+                    position_ids=static_positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    num_loops=key[3],
+                ).last_hidden_state
+            ),
+        )
+        return _Graph(graph, static_ids, static_positions, hidden, slots)

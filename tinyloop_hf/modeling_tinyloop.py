@@ -495,12 +495,12 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
     def _graph_decode(
         self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any, arguments: dict[str, Any]
     ) -> torch.Tensor | None:
-        """Logits of a decode step replayed from a CUDA graph (CUDA path), or None to run the step normally."""
+        """Logits of a step replayed from a CUDA graph (CUDA path: decode, or a prompt), or None to run it normally."""
         path = getattr(self, "_cuda_path", None)
         if path is None or arguments.get("use_cache") is False:
             return None
         key = path.graph_key(input_ids, cache, arguments)
-        return None if key is None else path.decode(key, input_ids, attention_mask, position_ids, cache)
+        return None if key is None else path.run(key, input_ids, attention_mask, position_ids, cache)
 
     def _weighted_exit(
         self, use_weighted_exit: bool | None, labels: Any, exit_at_step: int | None, exit_threshold: float | None

@@ -104,11 +104,10 @@ class PagedTinyLoopCache(TinyLoopCache):
     def begin_step(self, batch: int, new_tokens: int, attention_mask: torch.Tensor | None, like: torch.Tensor) -> None:
         """Called by the model before its layers run: reserve room and fill the step's device metadata."""
         needed = self.length + new_tokens
-        if graph_capturing():  # a graph capture: the replayer fills the metadata
+        if new_tokens == 1 and graph_capturing():  # a decode graph: each replay's metadata is filled beforehand
             self.step_positions, self.step_tokens = self.storage.decode_positions, new_tokens
             return
-        if self.storage is None or self.storage.batch != batch or needed > self.storage.capacity:
-            self._allocate(batch, max(needed, self.capacity), like)
+        self.reserve(batch, needed, like.dtype, like.device)
         storage = self.storage
         if new_tokens == 1:
             storage.decode_positions.fill_(self.length)
@@ -122,6 +121,11 @@ class PagedTinyLoopCache(TinyLoopCache):
         elif attention_mask is not None and not bool(attention_mask[:, self.length :].all()):
             raise ValueError(_LEFT_PADDING_ONLY)  # the padding was fixed by the prompt; new tokens are all attended
         self.step_tokens = new_tokens
+
+    def reserve(self, batch: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Storage for ``batch`` rows of at least ``tokens`` tokens (allocated, or grown keeping the contents)."""
+        if self.storage is None or self.storage.batch != batch or tokens > self.storage.capacity:
+            self._allocate(batch, max(tokens, self.capacity), dtype, device)
 
     def _set_starts(self, attention_mask: torch.Tensor | None) -> None:
         """First attended position of each row (set by the prompt); only left padding can be expressed (checked)."""
@@ -150,9 +154,9 @@ class PagedTinyLoopCache(TinyLoopCache):
             )
         self.slot_lengths[slot] = self.length + self.step_tokens
 
-    def _allocate(self, batch: int, capacity: int, like: torch.Tensor) -> None:
+    def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         old = self.storage
-        self.storage = self._new_storage(batch, capacity, like.dtype, like.device)
+        self.storage = self._new_storage(batch, capacity, dtype, torch.device(device))
         if old is not None and self.length:
             if old.batch != batch:
                 raise ValueError(f"the batch changed from {old.batch} to {batch} rows while the cache holds tokens")

@@ -143,3 +143,15 @@ def test_cuda_path_refuses_fp32_and_unpaged_caches():
     model = model.half().use_cuda_path()
     with pytest.raises(CudaPathUnavailable, match="paged cache"):
         model(IDS.cuda(), past_key_values=TinyLoopCache(model.config), use_cache=True)
+
+
+@pytest.mark.parametrize("variant", ["ouro", "huginn"])
+def test_prefill_graph_equals_eager(variant):
+    _, fast = _pair(variant, QUANTS["int4-g32"])
+    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+    for length in (20, 37, 20):  # 20 and 37 share the 64-token bucket; the third call replays it
+        ids = (IDS[:2, :1].repeat(1, length).cuda() + torch.arange(length, device="cuda") % 7) % 256
+        want = eager.generate(ids, max_new_tokens=6, do_sample=False)
+        got = fast.generate(ids, max_new_tokens=6, do_sample=False)
+        assert torch.equal(got, want)
+    assert any(key[0] == "prefill" for key in fast._cuda_path.graphs)
