@@ -60,7 +60,7 @@ __device__ __forceinline__ float warp_max(float v) {
 // Streamed weights: read-only, no L1 allocation (they are used once; activations stay cached).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;

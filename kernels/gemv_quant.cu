@@ -1,26 +1,10 @@
 // Low-bit weight GEMV for decode: y[m, n] = sum_k x[m, k] * (q[n, k] - z[n, g]) * s[n, g]  (m < M <= MAXM).
-//
-// Reads the QuantLinear layout of tinyloop_hf/quant_tinyloop.py as is: row-major int32 words, each word holding
-// 32/b consecutive columns with the even columns in bits 0-15 and the odd ones in bits 16-31, so masking one
-// field per 16-bit half gives two adjacent columns as a (fp16|bf16)x2 pair through the magic-number trick.
-// INT3 = INT2 low plane + 1-bit high plane (bit j of a high word's low half is column 2j of its 32 columns).
+// The weight layout is described in quant_layout.cuh.
 //
 // Work split: a CTA of 4 warps; each warp owns R output rows (each activation chunk is loaded once, used R
 // times); lanes stride over the row in 16-byte weight loads. Epilogues: + bias, + residual, or SwiGLU
 // (SWIGLU: a second matrix "up" with the same shape; y = silu(gate . x) * (up . x)).
-#include "common.cuh"
-
-template <int BITS> struct Layout {
-    static constexpr int low_bits = BITS == 3 ? 2 : BITS;
-    static constexpr int cols_per_word = 32 / low_bits;
-};
-
-struct QuantMatrix {
-    const unsigned* qweight;       // [N, K * low_bits / 32]
-    const unsigned* qhigh;         // INT3: [N, K / 32], else null
-    const unsigned short* scales;  // [N, groups] fp16 or bf16 bits
-    const unsigned char* zeros;    // [N, groups] or null (symmetric: midpoint)
-};
+#include "quant_layout.cuh"
 
 // Activations of one weight word's columns, per token row: INT4 8 columns = one uint4, INT2/INT3 16 = two, INT8 4
 // columns = half of one. Loaded once per word and reused by every weight row of the warp.
@@ -49,6 +33,7 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, int ldx, int col
 // Adds the contribution of one weight word of one row to acc[m] for every activation row.
 template <int BITS, typename T, int MAXM>
 __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, float scale, int zero,
+                                                unsigned magic_minus,
                                                 const uint4 (&xv)[MAXM][XWords<BITS>::count], int M, float* acc) {
     using T2 = typename Vec2<T>::type;
     if constexpr (BITS == 8) {
@@ -67,18 +52,10 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, fl
             }
         }
     } else {
-        constexpr int pairs = Layout<BITS>::cols_per_word / 2;  // INT4: 4, INT2/INT3: 8
-        constexpr int lb = Layout<BITS>::low_bits;
-        constexpr unsigned mask = ((1u << lb) - 1) | (((1u << lb) - 1) << 16);
-        const unsigned mz = Magic<T>::bits + zero;
-        const unsigned magic_minus = mz | (mz << 16);
+        constexpr int pairs = Layout<BITS>::pairs_per_word;  // INT4: 4, INT2/INT3: 8
         T2 w[pairs];
 #pragma unroll
-        for (int i = 0; i < pairs; ++i) {
-            unsigned fields = (word >> (lb * i)) & mask;
-            if constexpr (BITS == 3) fields |= ((high >> i) & 0x00010001u) << 2;
-            w[i] = centered_pair<T>(fields, magic_minus);
-        }
+        for (int i = 0; i < pairs; ++i) w[i] = weight_pair<BITS, T>(word, high, i, magic_minus);
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
             if (m < M) {
@@ -108,79 +85,105 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, fl
     }
 }
 
-template <int BITS>
-__device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int row, int words_per_row, int word_index) {
-    if constexpr (BITS == 3) {
-        const unsigned h = __ldg(mat.qhigh + static_cast<long long>(row) * (words_per_row / 2) + word_index / 2);
-        return h >> (8 * (word_index & 1));
-    } else {
-        return 0u;
+// The loads of one 16-byte chunk (or one tail word) of R rows: weights, INT3's high plane, scales and zeros of
+// the (at most two) groups it spans.
+template <int BITS, int R>
+struct Chunk {
+    unsigned w[R][4];
+    unsigned high[R][2];
+    unsigned short scale_bits[R][2];
+    int zero[R][2];
+};
+
+// A chunk spans one group, except INT2/INT3 chunks (64 columns) with 32-column groups: two.
+template <int BITS> struct ChunkGroups { static constexpr int count = BITS == 4 || BITS == 8 ? 1 : 2; };
+
+template <int BITS, int R>
+__device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int N, int words, int groups,
+                                           int midpoint, int first_word, bool full, int group0, int group1,
+                                           Chunk<BITS, R>& ch) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = min(row0 + r, N - 1);
+        const unsigned* base = mat.qweight + static_cast<long long>(row) * words + first_word;
+        if (full) {
+            const uint4 v = load_stream(reinterpret_cast<const uint4*>(base));
+            ch.w[r][0] = v.x; ch.w[r][1] = v.y; ch.w[r][2] = v.z; ch.w[r][3] = v.w;
+        } else {
+            ch.w[r][0] = __ldg(base);
+        }
+        if constexpr (BITS == 3) {
+            const unsigned* high = mat.qhigh + static_cast<long long>(row) * (words / 2) + first_word / 2;
+            ch.high[r][0] = __ldg(high);
+            ch.high[r][1] = full ? __ldg(high + 1) : 0u;
+        }
+        const long long gi = static_cast<long long>(row) * groups;
+        ch.scale_bits[r][0] = __ldg(mat.scales + gi + group0);
+        ch.zero[r][0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
+        if constexpr (ChunkGroups<BITS>::count == 2) {
+            ch.scale_bits[r][1] = __ldg(mat.scales + gi + group1);
+            ch.zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
+        }
     }
 }
 
 // Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
-// Every load of an iteration (the R rows' weights, their scales / zeros, INT3's high plane) is issued before any
-// math, so one memory latency, not three in a chain, is paid per 16-byte chunk.
+// Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
+// chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
 template <int BITS, typename T, int MAXM, int R>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
                                          int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
                                          float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
+    constexpr int NG = ChunkGroups<BITS>::count;
     const int lane = threadIdx.x & 31;
     const int words = K / cpw;
     const int chunks = words % 4 == 0 ? words / 4 : 0;  // 16-byte loads need 16-byte aligned rows
+    const int total = chunks + (words - 4 * chunks);     // c < chunks: a 16-byte chunk of 4 words; beyond: 1 word
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.0f;
-    for (int c = lane; c < chunks + (words - 4 * chunks); c += 32) {
-        // c < chunks: a 16-byte chunk of 4 words; beyond: one tail word each.
+    auto first_word_of = [&](int c) { return c < chunks ? 4 * c : 4 * chunks + (c - chunks); };
+    auto load = [&](int c, Chunk<BITS, R>& ch) {
         const bool full = c < chunks;
-        const int first_word = full ? 4 * c : 4 * chunks + (c - chunks);
-        const int count = full ? 4 : 1;
-        // A chunk spans one group, or two (INT2/INT3 chunks are 64 columns; groups can be 32).
+        const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
-        const int group1 = ((first_word + count - 1) * cpw) >> group_shift;
-        unsigned ws[R][4];
-        unsigned hs[R][2];
-        unsigned short scale_bits[R][2];
-        int zero[R][2];
+        const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;
+        load_chunk<BITS, R>(mat, row0, N, words, groups, midpoint, first_word, full, group0, group1, ch);
+    };
+    Chunk<BITS, R> next;
+    if (lane < total) load(lane, next);
+    for (int c = lane; c < total; c += 32) {
+        const Chunk<BITS, R> cur = next;
+        if (c + 32 < total) load(c + 32, next);
+        const bool full = c < chunks;
+        const int first_word = first_word_of(c);
+        const int group0 = (first_word * cpw) >> group_shift;
+        float scale[R][NG];
+        unsigned magic_minus[R][NG];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = min(row0 + r, N - 1);
-            const unsigned* base = mat.qweight + static_cast<long long>(row) * words;
-            if (full) {
-                const uint4 v = load_stream(reinterpret_cast<const uint4*>(base) + c);
-                ws[r][0] = v.x; ws[r][1] = v.y; ws[r][2] = v.z; ws[r][3] = v.w;
-            } else {
-                ws[r][0] = __ldg(base + first_word);
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int k = 0; k < NG; ++k) {
+                scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
+                magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
             }
-            if constexpr (BITS == 3) {
-                const unsigned* high = mat.qhigh + static_cast<long long>(row) * (words / 2) + first_word / 2;
-                hs[r][0] = __ldg(high);
-                hs[r][1] = full ? __ldg(high + 1) : 0u;
-            }
-            const long long gi = static_cast<long long>(row) * groups;
-            scale_bits[r][0] = __ldg(mat.scales + gi + group0);
-            scale_bits[r][1] = __ldg(mat.scales + gi + group1);
-            zero[r][0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
-            zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
-        }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            if (i < count) {
+            if (i == 0 || full) {
                 const int word_index = first_word + i;
                 const int col0 = word_index * cpw;
-                const int k = (col0 >> group_shift) == group0 ? 0 : 1;
+                const int k = NG == 1 ? 0 : ((col0 >> group_shift) == group0 ? 0 : 1);
                 uint4 xv[MAXM][XWords<BITS>::count];
                 load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     if (row0 + r < N) {
                         unsigned high = 0u;
-                        if constexpr (BITS == 3) high = hs[r][i / 2] >> (8 * (word_index & 1));
-                        accumulate_word<BITS, T, MAXM>(ws[r][i], high, scale_to_float(scale_bits[r][k], scale_is_bf16),
-                                                       zero[r][k], xv, M, acc[r]);
+                        if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
+                        accumulate_word<BITS, T, MAXM>(cur.w[r][i], high, scale[r][k], cur.zero[r][k],
+                                                       magic_minus[r][k], xv, M, acc[r]);
                     }
                 }
             }
@@ -260,7 +263,14 @@ __global__ void __launch_bounds__(128) gemv_quant(
     }
 }
 
-// Prefill path (many rows): dequantize to the activation dtype, then cuBLAS does the GEMM.
+// Prefill path (many rows): dequantize to the activation dtype, then cuBLAS does the GEMM. One word per thread,
+// written with 8- or 16-byte stores ((q - z) * s in fp32, rounded once: the reference path's rounding).
+template <typename T>
+__device__ __forceinline__ unsigned pack_pair(float a, float b) {
+    typename Vec2<T>::type v{from_float<T>(a), from_float<T>(b)};
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
 template <int BITS, typename T>
 __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh, const unsigned short* scales,
                                   const unsigned char* zeros, T* __restrict__ out, int N, int K, int group_shift,
@@ -278,12 +288,12 @@ __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh
         const int z = zeros ? static_cast<int>(zeros[gi]) : midpoint;
         const QuantMatrix mat{qweight, qhigh, scales, zeros};
         const unsigned high = high_bits_for<BITS>(mat, row, words, word_index);
-        T* dst = out + static_cast<long long>(row) * K + col0;
-        if constexpr (BITS == 8) {
+        unsigned packed[cpw / 2];  // column pairs (2j, 2j + 1)
+        if constexpr (BITS == 8) {  // bytes (k0, k2, k1, k3)
             const int q[4] = {static_cast<int>(word & 0xFF), static_cast<int>((word >> 16) & 0xFF),
                               static_cast<int>((word >> 8) & 0xFF), static_cast<int>(word >> 24)};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) dst[j] = from_float<T>(static_cast<float>(q[j] - z) * s);
+            packed[0] = pack_pair<T>(static_cast<float>(q[0] - z) * s, static_cast<float>(q[1] - z) * s);
+            packed[1] = pack_pair<T>(static_cast<float>(q[2] - z) * s, static_cast<float>(q[3] - z) * s);
         } else {
             constexpr int lb = Layout<BITS>::low_bits;
 #pragma unroll
@@ -293,9 +303,17 @@ __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh
                     even |= ((high >> j) & 1) << 2;
                     odd |= ((high >> (16 + j)) & 1) << 2;
                 }
-                dst[2 * j] = from_float<T>(static_cast<float>(even - z) * s);
-                dst[2 * j + 1] = from_float<T>(static_cast<float>(odd - z) * s);
+                packed[j] = pack_pair<T>(static_cast<float>(even - z) * s, static_cast<float>(odd - z) * s);
             }
+        }
+        T* dst = out + static_cast<long long>(row) * K + col0;
+        if constexpr (BITS == 8) {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);  // 8-byte aligned: K % 32 == 0
+        } else {
+#pragma unroll
+            for (int v = 0; v < cpw / 8; ++v)  // 16-byte aligned: K % 32 == 0 (QuantFormat)
+                reinterpret_cast<uint4*>(dst)[v] =
+                    make_uint4(packed[4 * v], packed[4 * v + 1], packed[4 * v + 2], packed[4 * v + 3]);
         }
     }
 }

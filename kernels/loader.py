@@ -1,14 +1,15 @@
 """Compile the CUDA C++ kernels of this folder with CuPy (NVRTC) at first use and launch them on PyTorch's stream.
 
 Kernels are compiled once per (file, instantiation) and cached: in memory here, on disk by CuPy (``CUPY_CACHE_DIR``).
-``common.cuh`` is inlined into each source before compiling, so CuPy's disk cache (keyed by the source text) never
-serves a kernel built against an older header. Launches take raw pointers (``np.uint64``), ``np.int32`` and
-``np.float32`` arguments — no per-call array conversion.
+Local headers (``#include "x.cuh"``) are inlined into each source before compiling, so CuPy's disk cache (keyed by
+the source text) never serves a kernel built against an older header. Launches take raw pointers (``np.uint64``),
+``np.int32`` and ``np.float32`` arguments — no per-call array conversion.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,21 @@ def check_device(device: torch.device | str | None = None) -> None:
     _cupy()
 
 
-def source(file: str) -> str:
-    text = (KERNEL_DIR / file).read_text()
-    header = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
-    return text.replace('#include "common.cuh"', header)
+_LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"$', re.MULTILINE)
+
+
+def source(file: str, _seen: set[str] | None = None) -> str:
+    """The text of ``file`` with its local headers inlined (each once, in include order)."""
+    seen = set() if _seen is None else _seen
+
+    def inline(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            return ""
+        seen.add(header)
+        return source(header, seen).replace("#pragma once", "")
+
+    return _LOCAL_INCLUDE.sub(inline, (KERNEL_DIR / file).read_text())
 
 
 @functools.cache

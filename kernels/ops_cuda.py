@@ -28,6 +28,9 @@ CUDA_TYPES = tuple(CUDA_TYPE.values())
 CUDA = "cuda"
 GEMV_MAX_ROWS = 32  # token rows served by the GEMV kernels; more rows go through dequantize + cuBLAS
 _THREADS = 128
+_MMA_THREADS = 256  # gemm_quant_mma.cu: MMA_WARPS = 8
+MMA_BITS = (2, 3, 4)  # formats the tensor-core kernel serves (INT8 codes do not fit the bf16 magic trick)
+MMA_MIN_ROWS = 2  # token rows from which the tensor-core kernel replaces the CUDA-core GEMV
 _SMEM_LIMIT = 48 * 1024
 
 
@@ -41,6 +44,8 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}>" for b in (2, 3, 4, 8) for t in types
                           for m, r, sw in gemv_variants]
         + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}>" for b in MMA_BITS for t in types
+                              for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")],
         "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
         "paged_attention.cu": [f"paged_decode<{t}, {i}>" for t in types for i in (0, 1)]
@@ -77,6 +82,7 @@ class _GemvPlan:
     tail: tuple
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
+    mma_launches: dict[int, tuple[str, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (kernel name, CTAs)
 
 
 def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
@@ -114,7 +120,11 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
         ctas = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
         launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}>", ctas)
-    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches)
+    mma_launches = None
+    if fmt.bits in MMA_BITS and (K // (32 // (2 if fmt.bits == 3 else fmt.bits))) % 4 == 0:
+        ctas = sum(math.ceil(n / 16) for n in (sizes[:1] if swiglu else sizes))
+        mma_launches = {nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}>", ctas) for nt in (1, 2)}
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
@@ -125,6 +135,14 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Ten
     rows, K = x.shape
     y = torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
     row_bytes, out_bytes = K * x.element_size(), plan.out_features * y.element_size()
+    if rows >= MMA_MIN_ROWS and plan.mma_launches is not None:
+        for start in range(0, rows, 16):
+            chunk = min(16, rows - start)
+            args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
+                    plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
+            name, ctas = plan.mma_launches[1 if chunk <= 8 else 2]
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args)
+        return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)

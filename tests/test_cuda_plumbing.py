@@ -24,7 +24,7 @@ KERNELS = Path(loader.__file__).parent
 
 def declared_parameters(file: str, kernel: str) -> int:
     source = (KERNELS / file).read_text()
-    start = re.search(rf"__global__ void(?: __launch_bounds__\(\d+\))?\s+{kernel}\s*\(", source).end()
+    start = re.search(rf"__global__ void(?: __launch_bounds__\([\w *]+\))?\s+{kernel}\s*\(", source).end()
     depth, commas = 1, 0
     for index, char in enumerate(source[start:]):
         depth += {"(": 1, ")": -1}.get(char, 0)
@@ -57,14 +57,16 @@ def _model(variant, bits):
 @pytest.mark.parametrize("variant", ["ouro", "llama", "huginn"])
 def test_every_launch_matches_its_kernel_signature(variant, launches):
     model = _model(variant, 4)
-    cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (2, 44))
-    with torch.no_grad():  # prompt (80 rows: dequantize + GEMM), decode (GEMV), 3 tokens on a past (gathered K/V)
-        model(ids[:, :40], past_key_values=cache, use_cache=True)
-        model(ids[:, 40:41], past_key_values=cache, use_cache=True)
-        model(ids[:, 41:], past_key_values=cache, use_cache=True)
+    for batch in (1, 2):  # decode: one row through the CUDA-core GEMV, two through the tensor-core kernel
+        cache = PagedTinyLoopCache(model.config, capacity=64)
+        ids = torch.randint(1, 256, (batch, 44))
+        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (gathered K/V)
+            model(ids[:, :40], past_key_values=cache, use_cache=True)
+            model(ids[:, 40:41], past_key_values=cache, use_cache=True)
+            model(ids[:, 41:], past_key_values=cache, use_cache=True)
     kernels = {name.split("<")[0] for _, name, *_ in launches}
-    assert {"dequantize_weight", "gemv_quant", "paged_decode", "rope_kv_append", "residual_norm"} <= kernels
+    expected = {"dequantize_weight", "gemv_quant", "gemm_quant_mma", "paged_decode", "rope_kv_append", "residual_norm"}
+    assert expected <= kernels
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
         assert len(args) == declared_parameters(file, kernel), name
@@ -121,7 +123,8 @@ def test_gemv_launches_read_the_layers_current_tensors(launches):
         with torch.no_grad():
             model(ids, past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
         q_width = attention.q_proj.out_features
-        return next(args for _, name, _, args, _ in launches if name.startswith("gemv") and int(args[8]) == q_width)
+        projections = [args for _, name, _, args, _ in launches if name.startswith(("gemv", "gemm"))]
+        return next(args for args in projections if int(args[8]) == q_width)
 
     args = qkv_args()
     q, k = attention.q_proj, attention.k_proj

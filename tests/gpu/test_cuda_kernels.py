@@ -52,7 +52,7 @@ def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shap
     )
     layer = _quant_layer(*shape, fmt, seed=bits, bias=True).to(dtype)
     weight = layer.dequantized_weight()
-    for rows in (1, 3, 8, 20):
+    for rows in (1, 2, 3, 8, 16, 20):  # 2+ rows: the tensor-core kernel where K allows (16 per launch)
         x = torch.randn(rows, shape[1], device="cuda", dtype=dtype)
         expected = x.float() @ weight.T + layer.bias.float()
         actual = ops_cuda.project(x, [layer])
@@ -74,13 +74,14 @@ def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype):
 def test_fused_qkv_and_swiglu(dtype):
     fmt = QuantFormat(bits=4, group_size=64)
     q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
-    x = torch.randn(3, 256, device="cuda", dtype=dtype)
-    fused = ops_cuda.project(x, [q, k, v])
-    assert torch.equal(fused, torch.cat([ops_cuda.project(x, [layer]) for layer in (q, k, v)], dim=-1))
     gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
-    swiglu = ops_cuda.project(x, [gate, up], swiglu=True)
-    expected = F.silu(ops_cuda.project(x, [gate])) * ops_cuda.project(x, [up])
-    assert _relative_error(swiglu, expected) <= 1e-2
+    for rows in (1, 3, 12):  # the CUDA-core GEMV, the tensor-core kernel with one and two n-tiles
+        x = torch.randn(rows, 256, device="cuda", dtype=dtype)
+        fused = ops_cuda.project(x, [q, k, v])
+        assert torch.equal(fused, torch.cat([ops_cuda.project(x, [layer]) for layer in (q, k, v)], dim=-1))
+        swiglu = ops_cuda.project(x, [gate, up], swiglu=True)
+        expected = F.silu(ops_cuda.project(x, [gate])) * ops_cuda.project(x, [up])
+        assert _relative_error(swiglu, expected) <= 1e-2, rows
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,51 @@
+// The QuantLinear weight layout of tinyloop_hf/quant_tinyloop.py as the kernels read it (shared by the CUDA-core
+// GEMV and the tensor-core small-M GEMM).
+//
+// Row-major int32 words, each word holding 32/b consecutive columns with the even columns in bits 0-15 and the odd
+// ones in bits 16-31, so masking one field per 16-bit half gives two adjacent columns ("pair" i = columns 2i, 2i+1)
+// as an (fp16|bf16)x2 through the magic-number trick. INT3 = INT2 low plane + 1-bit high plane (bit j of a high
+// word's low half is column 2j of its 32 columns).
+#pragma once
+#include "common.cuh"
+
+template <int BITS> struct Layout {
+    static constexpr int low_bits = BITS == 3 ? 2 : BITS;
+    static constexpr int cols_per_word = 32 / low_bits;
+    static constexpr int pairs_per_word = cols_per_word / 2;
+};
+
+struct QuantMatrix {
+    const unsigned* qweight;       // [N, K * low_bits / 32]
+    const unsigned* qhigh;         // INT3: [N, K / 32], else null
+    const unsigned short* scales;  // [N, groups] fp16 or bf16 bits
+    const unsigned char* zeros;    // [N, groups] or null (symmetric: midpoint)
+};
+
+// (MAGIC + z) in both halves: subtracting it from (field | MAGIC) leaves the exact q - z (INT2/3/4).
+template <typename T>
+__device__ __forceinline__ unsigned magic_minus_zero(int zero) {
+    const unsigned mz = Magic<T>::bits + zero;
+    return mz | (mz << 16);
+}
+
+// Pair i of a weight word (INT2/3/4) as exact (q - z) values; `high` is INT3's high-plane bits for this word.
+template <int BITS, typename T>
+__device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, unsigned high, int i,
+                                                              unsigned magic_minus) {
+    constexpr int lb = Layout<BITS>::low_bits;
+    constexpr unsigned mask = ((1u << lb) - 1) | (((1u << lb) - 1) << 16);
+    unsigned fields = (word >> (lb * i)) & mask;
+    if constexpr (BITS == 3) fields |= ((high >> i) & 0x00010001u) << 2;
+    return centered_pair<T>(fields, magic_minus);
+}
+
+// INT3: the high-plane bits of word `word_index` of `row` (a high word covers two low words).
+template <int BITS>
+__device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int row, int words_per_row, int word_index) {
+    if constexpr (BITS == 3) {
+        const unsigned h = __ldg(mat.qhigh + static_cast<long long>(row) * (words_per_row / 2) + word_index / 2);
+        return h >> (8 * (word_index & 1));
+    } else {
+        return 0u;
+    }
+}
