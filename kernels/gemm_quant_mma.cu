@@ -4,7 +4,8 @@
 // mma.sync m16n8k16 with the weights as the 16-row A operand and the tokens as N (8 per n-tile, NT tiles), so
 // the CUDA cores only dequantize (about 2 instructions per weight whatever the number of tokens) and the tensor
 // cores do the products. Each weight is dequantized straight into A fragments: (q - z) exactly by the magic-number
-// trick, times the group's scale rounded to the activation dtype, which is how the reference path rounds.
+// trick, times the group's scale rounded to the activation dtype, which is how the reference path rounds; or, when a
+// step (16 words of a row) lies in one group (POST_SCALE), the scale multiplies the step's fp32 sums instead.
 //
 // The k order inside an mma is free as long as A and B agree. Lane (g = lane / 4, t = lane % 4) reads one 16-byte
 // chunk (4 words) of rows g and g + 8; pairs 2h and 2h + 1 of word j form the fragment's two column pairs of k-tile
@@ -38,77 +39,97 @@ template <typename T> __device__ __forceinline__ unsigned vec2_bits(typename Vec
     return *reinterpret_cast<unsigned*>(&v);
 }
 
-// One row's part of a step: its 4 words, INT3 high bits, and per word the scale pair and magic constant.
-template <int BITS, typename T>
+// One row's part of a step as loaded: its 4 words, INT3 high bits, and the scale / zero of the (at most two)
+// groups the words span (INT2/INT3: 64 columns, groups of 32).
 struct RowChunk {
     unsigned w[4];
     unsigned high[2];
-    typename Vec2<T>::type scale[4];
-    unsigned magic_minus[4];
+    unsigned short scale_bits[2];
+    int zero[2];
 };
 
-template <int BITS, typename T>
-__device__ __forceinline__ void load_row_chunk(const QuantMatrix& mat, int row, int words, int first_word, bool valid,
-                                               int group_shift, int groups, int scale_is_bf16, int midpoint,
-                                               RowChunk<BITS, T>& rc) {
+// Lanes past the end of K (words % 4 == 0: a lane's 4 words are all in or all out) get zero codes (finite; their
+// activations are zero) but the scale / zero of the step's first word: with POST_SCALE each lane scales sums over
+// the whole quad's columns, so it needs the row's scale even when its own words are missing.
+template <int BITS>
+__device__ __forceinline__ void load_row_chunk(const QuantMatrix& mat, int row, int words, int first_word,
+                                               int step_word, int group_shift, int groups, int midpoint,
+                                               RowChunk& rc) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
-    if (!valid) {  // past the end of K: zero weights (the activations there are zero too)
+    const bool valid = first_word < words;
+    if (valid) {
+        const uint4 v = load_stream(
+            reinterpret_cast<const uint4*>(mat.qweight + static_cast<long long>(row) * words + first_word));
+        rc.w[0] = v.x; rc.w[1] = v.y; rc.w[2] = v.z; rc.w[3] = v.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) rc.w[j] = 0u;
+    }
+    rc.high[0] = rc.high[1] = 0u;
+    if constexpr (BITS == 3) {
+        if (valid) {
+            const unsigned* high = mat.qhigh + static_cast<long long>(row) * (words / 2) + first_word / 2;
+            rc.high[0] = __ldg(high);
+            rc.high[1] = __ldg(high + 1);
+        }
+    }
+    const int word = valid ? first_word : step_word;
+    const long long gi = static_cast<long long>(row) * groups;
+    const int group0 = (word * cpw) >> group_shift, group1 = ((word + 3) * cpw) >> group_shift;
+    rc.scale_bits[0] = __ldg(mat.scales + gi + group0);
+    rc.scale_bits[1] = __ldg(mat.scales + gi + group1);
+    rc.zero[0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
+    rc.zero[1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
+}
+
+// A row's fragment pairs of one step, ready for the mma: (q - z), times the scale unless POST_SCALE (one group per
+// step: the scale multiplies the step's fp32 products instead, 1 instruction per 8 weights instead of 1 per 2).
+template <int BITS, typename T, bool POST_SCALE>
+struct RowFragments {
+    unsigned w[4];
+    unsigned high[2];
+    unsigned magic_minus[4];
+    typename Vec2<T>::type scale[4];
+
+    __device__ __forceinline__ RowFragments(const RowChunk& rc, int first_word, int group_shift, int scale_is_bf16) {
+        constexpr int cpw = Layout<BITS>::cols_per_word;
+        const int group0 = (first_word * cpw) >> group_shift;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            rc.w[j] = 0u;
-            rc.scale[j] = bits_as_vec2<T>(0u);
-            rc.magic_minus[j] = magic_minus_zero<T>(0);
+            w[j] = rc.w[j];
+            // Selects, not rc.zero[k]: a run-time index would put the arrays in local memory.
+            const bool second = !POST_SCALE && (((first_word + j) * cpw) >> group_shift) != group0;
+            magic_minus[j] = magic_minus_zero<T>(second ? rc.zero[1] : rc.zero[0]);
+            if constexpr (!POST_SCALE) {
+                const T s = from_float<T>(scale_to_float(second ? rc.scale_bits[1] : rc.scale_bits[0], scale_is_bf16));
+                scale[j] = typename Vec2<T>::type{s, s};
+            }
         }
-        rc.high[0] = rc.high[1] = 0u;
-        return;
+        high[0] = rc.high[0];
+        high[1] = rc.high[1];
     }
-    const uint4 v = load_stream(reinterpret_cast<const uint4*>(mat.qweight + static_cast<long long>(row) * words +
-                                                               first_word));
-    rc.w[0] = v.x; rc.w[1] = v.y; rc.w[2] = v.z; rc.w[3] = v.w;
-    if constexpr (BITS == 3) {
-        const unsigned* high = mat.qhigh + static_cast<long long>(row) * (words / 2) + first_word / 2;
-        rc.high[0] = __ldg(high);
-        rc.high[1] = __ldg(high + 1);
-    }
-    // The 4 words span one group, or two (INT2/INT3: 64 columns, groups of 32).
-    const long long gi = static_cast<long long>(row) * groups;
-    const int group0 = (first_word * cpw) >> group_shift, group1 = ((first_word + 3) * cpw) >> group_shift;
-    const float s0 = scale_to_float(__ldg(mat.scales + gi + group0), scale_is_bf16);
-    const int z0 = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
-    float s1 = s0;
-    int z1 = z0;
-    if (group1 != group0) {
-        s1 = scale_to_float(__ldg(mat.scales + gi + group1), scale_is_bf16);
-        z1 = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
-    }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const bool second = (((first_word + j) * cpw) >> group_shift) != group0;
-        const T s = from_float<T>(second ? s1 : s0);
-        rc.scale[j] = typename Vec2<T>::type{s, s};
-        rc.magic_minus[j] = magic_minus_zero<T>(second ? z1 : z0);
-    }
-}
 
-// The A fragment pair (pair i of word j) of one row: (q - z) * s in the activation dtype.
-template <int BITS, typename T>
-__device__ __forceinline__ unsigned a_pair(const RowChunk<BITS, T>& rc, int j, int i) {
-    unsigned high = 0u;
-    if constexpr (BITS == 3) high = rc.high[j / 2] >> (8 * (j & 1));
-    return vec2_bits<T>(__hmul2(weight_pair<BITS, T>(rc.w[j], high, i, rc.magic_minus[j]), rc.scale[j]));
-}
+    // Pair i of word j.
+    __device__ __forceinline__ unsigned pair(int j, int i) const {
+        unsigned h = 0u;
+        if constexpr (BITS == 3) h = high[j / 2] >> (8 * (j & 1));
+        const typename Vec2<T>::type v = weight_pair<BITS, T>(w[j], h, i, magic_minus[j]);
+        if constexpr (POST_SCALE) return vec2_bits<T>(v);
+        else return vec2_bits<T>(__hmul2(v, scale[j]));
+    }
+};
 
 // acc[nt] += W[rows g, g + 8; the lane's 4 words] . x[tokens of n-tile nt; the same columns].
-template <int BITS, typename T, int NT>
-__device__ __forceinline__ void mma_step(const RowChunk<BITS, T>& lo, const RowChunk<BITS, T>& hi,
+template <int BITS, typename T, int NT, bool POST_SCALE>
+__device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>& lo,
+                                         const RowFragments<BITS, T, POST_SCALE>& hi,
                                          const uint4 (&xv)[NT][Layout<BITS>::cols_per_word / 2], float (&acc)[NT][4]) {
     constexpr int P = Layout<BITS>::pairs_per_word;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
         for (int h = 0; h < P / 2; ++h) {
-            const unsigned a[4] = {a_pair<BITS, T>(lo, j, 2 * h), a_pair<BITS, T>(hi, j, 2 * h),
-                                   a_pair<BITS, T>(lo, j, 2 * h + 1), a_pair<BITS, T>(hi, j, 2 * h + 1)};
+            const unsigned a[4] = {lo.pair(j, 2 * h), hi.pair(j, 2 * h), lo.pair(j, 2 * h + 1), hi.pair(j, 2 * h + 1)};
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 // Columns j * cpw + 4h .. + 3 of this lane's chunk: x pairs j * P + 2h and + 1.
@@ -121,7 +142,7 @@ __device__ __forceinline__ void mma_step(const RowChunk<BITS, T>& lo, const RowC
     }
 }
 
-template <int BITS, typename T, int NT, bool SWIGLU>
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE>
 __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
@@ -167,17 +188,29 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) acc[mi][nt][c] = 0.0f;
+    // Each step's weights are loaded one step ahead (two steps of loads in flight per lane).
+    RowChunk next_lo[MATS], next_hi[MATS];
+    auto load_step = [&](int first) {
+        const int first_word = first + 4 * t;
+#pragma unroll
+        for (int mi = 0; mi < MATS; ++mi) {
+            load_row_chunk<BITS>(mats[mi], row_lo, words, first_word, first, group_shift, groups, midpoint,
+                                 next_lo[mi]);
+            load_row_chunk<BITS>(mats[mi], row_hi, words, first_word, first, group_shift, groups, midpoint,
+                                 next_hi[mi]);
+        }
+    };
+    if (warp * 16 < words) load_step(warp * 16);
     for (int first = warp * 16; first < words; first += 16 * MMA_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
-        RowChunk<BITS, T> lo[MATS], hi[MATS];
+        RowChunk lo[MATS], hi[MATS];
 #pragma unroll
         for (int mi = 0; mi < MATS; ++mi) {
-            load_row_chunk<BITS, T>(mats[mi], row_lo, words, first_word, valid, group_shift, groups, scale_is_bf16,
-                                    midpoint, lo[mi]);
-            load_row_chunk<BITS, T>(mats[mi], row_hi, words, first_word, valid, group_shift, groups, scale_is_bf16,
-                                    midpoint, hi[mi]);
+            lo[mi] = next_lo[mi];
+            hi[mi] = next_hi[mi];
         }
+        if (first + 16 * MMA_WARPS < words) load_step(first + 16 * MMA_WARPS);
         uint4 xv[NT][XV];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -188,7 +221,31 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
             for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
-        for (int mi = 0; mi < MATS; ++mi) mma_step<BITS, T, NT>(lo[mi], hi[mi], xv, acc[mi]);
+        for (int mi = 0; mi < MATS; ++mi) {
+            const RowFragments<BITS, T, POST_SCALE> flo(lo[mi], first_word, group_shift, scale_is_bf16),
+                fhi(hi[mi], first_word, group_shift, scale_is_bf16);
+            if constexpr (POST_SCALE) {
+                float step[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) step[nt][c] = 0.0f;
+                mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, step);
+                // Accumulators 0, 1 belong to row g, 2, 3 to row g + 8: their rows' scales. (The lanes of a quad
+                // read the same group here, so any lane's scale is the row's.)
+                const float s_lo = scale_to_float(lo[mi].scale_bits[0], scale_is_bf16);
+                const float s_hi = scale_to_float(hi[mi].scale_bits[0], scale_is_bf16);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[mi][nt][0] = fmaf(s_lo, step[nt][0], acc[mi][nt][0]);
+                    acc[mi][nt][1] = fmaf(s_lo, step[nt][1], acc[mi][nt][1]);
+                    acc[mi][nt][2] = fmaf(s_hi, step[nt][2], acc[mi][nt][2]);
+                    acc[mi][nt][3] = fmaf(s_hi, step[nt][3], acc[mi][nt][3]);
+                }
+            } else {
+                mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, acc[mi]);
+            }
+        }
     }
     // Sum the warps' partial products: [warp][matrix][n-tile][c][lane], conflict-free by lane.
     __shared__ float partial[MMA_WARPS][MATS][NT][4][32];

@@ -130,13 +130,14 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
-template <int BITS, typename T, int MAXM, int R>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
                                          int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
-                                         float (&acc)[R][MAXM]) {
+                                         int part, float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int NG = ChunkGroups<BITS>::count;
-    const int lane = threadIdx.x & 31;
+    constexpr int STRIDE = 32 * KSPLIT;  // the KSPLIT warps of a row group interleave their chunks
+    const int lane = part * 32 + (threadIdx.x & 31);
     const int words = K / cpw;
     const int chunks = words % 4 == 0 ? words / 4 : 0;  // 16-byte loads need 16-byte aligned rows
     const int total = chunks + (words - 4 * chunks);     // c < chunks: a 16-byte chunk of 4 words; beyond: 1 word
@@ -154,9 +155,9 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
     };
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
-    for (int c = lane; c < total; c += 32) {
+    for (int c = lane; c < total; c += STRIDE) {
         const Chunk<BITS, R> cur = next;
-        if (c + 32 < total) load(c + 32, next);
+        if (c + STRIDE < total) load(c + STRIDE, next);
         const bool full = c < chunks;
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
@@ -174,7 +175,8 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
             if (i == 0 || full) {
                 const int word_index = first_word + i;
                 const int col0 = word_index * cpw;
-                const int k = NG == 1 ? 0 : ((col0 >> group_shift) == group0 ? 0 : 1);
+                // A select, not a run-time array index (which would put the arrays in local memory).
+                const bool second = NG == 2 && (col0 >> group_shift) != group0;
                 uint4 xv[MAXM][XWords<BITS>::count];
                 load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
@@ -182,8 +184,10 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
                     if (row0 + r < N) {
                         unsigned high = 0u;
                         if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
-                        accumulate_word<BITS, T, MAXM>(cur.w[r][i], high, scale[r][k], cur.zero[r][k],
-                                                       magic_minus[r][k], xv, M, acc[r]);
+                        const int k = NG - 1;  // the second group's index where there is one
+                        accumulate_word<BITS, T, MAXM>(cur.w[r][i], high, second ? scale[r][k] : scale[r][0],
+                                                       second ? cur.zero[r][k] : cur.zero[r][0],
+                                                       second ? magic_minus[r][k] : magic_minus[r][0], xv, M, acc[r]);
                     }
                 }
             }
@@ -197,7 +201,9 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
 
 // One launch serves up to three matrices sharing K and the format (QKV: outputs concatenated along columns of
 // y), or (SWIGLU) a gate matrix 0 and an up matrix 1 of the same shape. CTAs are assigned to matrices in order.
-template <int BITS, typename T, int MAXM, int R, bool SWIGLU>
+// KSPLIT warps share each R rows and split K between them (summed through shared memory): short rows and
+// long-K / few-row layers (down_proj) then have more loads in flight and shorter dependent chains per warp.
+template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT>
 __global__ void __launch_bounds__(128) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
@@ -208,8 +214,11 @@ __global__ void __launch_bounds__(128) gemv_quant(
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint) {
-    constexpr int ROWS_PER_CTA = 4 * R;
+    constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
+    constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
+    constexpr int MATS = SWIGLU ? 2 : 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int row_group = warp / KSPLIT, part = warp % KSPLIT;
     const int blocks0 = (N0 + ROWS_PER_CTA - 1) / ROWS_PER_CTA, blocks1 = (N1 + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
     int block = blockIdx.x, N = N0, column = 0;
     QuantMatrix mat{qw0, qh0, sc0, zr0};
@@ -229,21 +238,44 @@ __global__ void __launch_bounds__(128) gemv_quant(
             N = N2;
         }
     }
-    const int row0 = (block * 4 + warp) * R;
-    if (row0 >= N) return;
-    float acc[R][MAXM];
-    row_dots<BITS, T, MAXM, R>(mat, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, acc);
+    const int row0 = (block * GROUPS_PER_CTA + row_group) * R;
+    if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
+    float acc[MATS][R][MAXM];
+    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, part,
+                                       acc[0]);
     if constexpr (SWIGLU) {
         const QuantMatrix up{qw1, qh1, sc1, zr1};
-        float acc_up[R][MAXM];
-        row_dots<BITS, T, MAXM, R>(up, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, acc_up);
+        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M,
+                                           part, acc[1]);
+    }
+    if constexpr (KSPLIT > 1) {
+        __shared__ float partial[4][MATS][R][MAXM];
+        if (lane == 0)
+#pragma unroll
+            for (int mi = 0; mi < MATS; ++mi)
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int m = 0; m < MAXM; ++m) partial[warp][mi][r][m] = acc[mi][r][m];
+        __syncthreads();
+        if (part != 0 || row0 >= N) return;
+#pragma unroll
+        for (int mi = 0; mi < MATS; ++mi)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+#pragma unroll
+                    for (int p = 1; p < KSPLIT; ++p) acc[mi][r][m] += partial[warp + p][mi][r][m];
+    }
+    if constexpr (SWIGLU) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int m = 0; m < MAXM; ++m) {
                 // Round each projection to the activation dtype first, as the unfused path does.
-                const float g = to_float(from_float<T>(acc[r][m])), u = to_float(from_float<T>(acc_up[r][m]));
-                acc[r][m] = to_float(from_float<T>(silu(g))) * u;
+                const float g = to_float(from_float<T>(acc[0][r][m])), u = to_float(from_float<T>(acc[1][r][m]));
+                acc[0][r][m] = to_float(from_float<T>(silu(g))) * u;
             }
     }
     if (lane != 0) return;
@@ -254,7 +286,7 @@ __global__ void __launch_bounds__(128) gemv_quant(
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
             if (m < M) {
-                float v = acc[r][m];
+                float v = acc[0][r][m];
                 if (bias) v += to_float(bias[row]);
                 if (residual) v = to_float(from_float<T>(v)) + to_float(residual[m * ldr + column + row]);
                 y[m * ldy + column + row] = from_float<T>(v);

@@ -74,7 +74,7 @@ def source(file: str, _seen: set[str] | None = None) -> str:
 
 @functools.cache
 def kernel(file: str, name: str) -> Any:
-    """The compiled function ``name`` (a template instantiation like ``gemv_quant<4, __half, 1, 2, false>``)."""
+    """The compiled function ``name`` (a template instantiation like ``gemv_quant<4, __half, 1, 2, false, 1>``)."""
     cupy = _cupy()
     module = cupy.RawModule(code=source(file), options=("--std=c++17",), name_expressions=[name])
     try:

@@ -37,19 +37,20 @@ _SMEM_LIMIT = 48 * 1024
 def instantiations(full: bool = True) -> dict[str, list[str]]:
     """Every kernel name this backend may request, by source file (``full=False``: one per code path)."""
     types = list(CUDA_TYPES)
-    gemv_variants = [(m, r, sw) for m, r in ((1, 2), (1, 4), (4, 4), (8, 4)) for sw in ("true", "false")]
+    gemv_variants = [(m, r, sw, k) for m, r in ((1, 2), (1, 4), (4, 4), (8, 4)) for sw in ("true", "false")
+                     for k in (1, 2, 4)]  # fmt: skip
     if not full:
-        gemv_variants = [(1, 2, "false"), (8, 4, "true")]
+        gemv_variants = [(1, 2, "false", 2), (8, 4, "true", 4)]
     return {
-        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}>" for b in (2, 3, 4, 8) for t in types
-                          for m, r, sw in gemv_variants]
+        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}>" for b in (2, 3, 4, 8) for t in types
+                          for m, r, sw, k in gemv_variants]
         + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}>" for b in MMA_BITS for t in types
-                              for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")],
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}>" for b in MMA_BITS for t in types
+                              for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
+                              for post in ("true", "false")],
         "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}>" for t in types for i in (0, 1)]
-        + [f"merge_splits<{t}>" for t in types],
+        "paged_attention.cu": [f"paged_decode<{t}, {i}>" for t in types for i in (0, 1)],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
     }  # fmt: skip
 
@@ -91,6 +92,12 @@ def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
     return tuple(getattr(layer, name, None) for name in names)
 
 
+def gemv_k_split(chunks: int) -> int:
+    """Warps sharing one row group of the CUDA-core GEMV (K split between them) for rows of ``chunks`` 16-byte
+    chunks: long rows (down_proj) get 4, so each warp's chain of dependent loads stays short."""
+    return 4 if chunks >= 128 else 2 if chunks >= 64 else 1
+
+
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
     tensors = [_layer_tensors(layer) for layer in layers]
@@ -114,16 +121,23 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
             i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
     flag = "true" if swiglu else "false"
     launches = {}
+    columns_per_word = 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
+    words = K // columns_per_word
+    split = gemv_k_split(words // 4)
     for rows in (1, 4, 8):
         # One token row: 2-4 weight rows per warp. Several token rows: 4 weight rows per warp, so each activation
-        # load (one per token row and word) serves 4 rows (8 spill registers: measured with ptxas -v).
+        # load (one per token row and word) serves 4 rows.
         R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
-        ctas = sum(math.ceil(n / (4 * R)) for n in (sizes[:1] if swiglu else sizes))
-        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}>", ctas)
+        ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
+        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}>", ctas)
     mma_launches = None
-    if fmt.bits in MMA_BITS and (K // (32 // (2 if fmt.bits == 3 else fmt.bits))) % 4 == 0:
+    if fmt.bits in MMA_BITS and words % 4 == 0:
         ctas = sum(math.ceil(n / 16) for n in (sizes[:1] if swiglu else sizes))
-        mma_launches = {nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}>", ctas) for nt in (1, 2)}
+        # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
+        post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
+        mma_launches = {
+            nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}>", ctas) for nt in (1, 2)
+        }
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
@@ -314,7 +328,8 @@ def _decode_shared_floats(group: int, dim: int, chunk: int) -> int:
 def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: int) -> tuple[int, int]:
     """(splits, chunk) for paged decode: enough CTAs to fill the GPU, chunks that fit shared memory."""
     max_chunk = (_SMEM_LIMIT // 4 - _decode_shared_floats(group, dim, 0)) // (group + 1) // PAGE_SIZE * PAGE_SIZE
-    wanted = math.ceil(264 / (batch * kv_heads))  # the kernel spreads the actual length over all splits
+    # ~8 CTAs per SM (the kernel spreads the actual length over all splits, so short contexts get short spans).
+    wanted = math.ceil(1056 / (batch * kv_heads))
     splits = max(1, wanted, math.ceil(capacity / max_chunk))
     chunk = math.ceil(capacity / splits / PAGE_SIZE) * PAGE_SIZE
     return math.ceil(capacity / chunk), chunk
@@ -341,14 +356,11 @@ def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, s
     type_name = cuda_type(query.dtype)
     args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
             ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
-            ptr(out), ptr(partial_o), ptr(partial_ml), i32(heads), i32(kv_heads), i32(dim),
+            ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads), i32(dim),
             i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
     smem = 4 * _decode_shared_floats(group, dim, chunk)
     name = f"paged_decode<{type_name}, {int(int8)}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
-    if splits > 1:
-        merge = kernel("paged_attention.cu", f"merge_splits<{type_name}>")
-        launch(merge, (batch * heads,), (128,), (ptr(partial_o), ptr(partial_ml), ptr(out), i32(splits), i32(dim)))
     return out.view(batch, heads * dim)
 
 

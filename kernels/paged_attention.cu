@@ -5,7 +5,8 @@
 // position (left padding before it is never attended). All of these live in device memory, so a captured CUDA
 // graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head (GQA
 // groups of up to 8 read each K/V byte once). Scores use exp2 with q pre-scaled by softmax_scale * log2(e).
-// One split writes the output directly; several write fp32 partials (o, m, l) that `merge_splits` combines.
+// One split writes the output directly; several write fp32 partials (o, m, l) and the last split of a (row, KV
+// head) to finish — counted in split_counters, which it resets for the next launch — merges them.
 #include "common.cuh"
 
 constexpr int PAGE = 16;
@@ -35,8 +36,8 @@ template <typename T, int KV_INT8>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
-    T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int Hq, int Hkv, int D,
-    int max_blocks, int chunk, float scale_log2) {
+    T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
+    int Hq, int Hkv, int D, int max_blocks, int chunk, float scale_log2) {
     extern __shared__ float smem[];
     const int G = Hq / Hkv;
     const int per_token = D / 8, tokens_per_pass = blockDim.x / per_token;
@@ -155,26 +156,36 @@ __global__ void __launch_bounds__(128) paged_decode(
             }
         }
     }
-}
-
-// out[row, d] = sum_i o_i[d] 2^(m_i - M) / sum_i l_i 2^(m_i - M), rows = B * Hq, one CTA per row.
-template <typename T>
-__global__ void merge_splits(const float* __restrict__ part_o, const float* __restrict__ part_ml, T* __restrict__ out,
-                             int splits, int D) {
-    const long long row = blockIdx.x;
-    float m = -TL_INF;
-    for (int i = 0; i < splits; ++i) m = fmaxf(m, part_ml[(row * splits + i) * 2]);
-    float l = 0.0f;
-    for (int i = 0; i < splits; ++i) {
-        const float mi = part_ml[(row * splits + i) * 2];
-        l += mi == -TL_INF ? 0.0f : part_ml[(row * splits + i) * 2 + 1] * exp2f(mi - m);
+    if (splits == 1) return;
+    // The last split to finish merges: out = sum_i o_i 2^(m_i - M) / sum_i l_i 2^(m_i - M).
+    __shared__ int is_last;
+    __threadfence();  // this split's partials are visible device-wide before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* counter = split_counters + b * Hkv + kv_head;
+        is_last = atomicAdd(counter, 1) == splits - 1;
+        if (is_last) *counter = 0;
     }
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float o = 0.0f;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int g = 0; g < G; ++g) {
+        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        const float* ml = part_ml + row * splits * 2;
+        float m = -TL_INF;
+        for (int i = 0; i < splits; ++i) m = fmaxf(m, __ldcg(ml + 2 * i));  // L2: other CTAs wrote these
+        float l = 0.0f;
         for (int i = 0; i < splits; ++i) {
-            const float mi = part_ml[(row * splits + i) * 2];
-            if (mi != -TL_INF) o += part_o[(row * splits + i) * D + d] * exp2f(mi - m);
+            const float mi = __ldcg(ml + 2 * i);
+            l += mi == -TL_INF ? 0.0f : __ldcg(ml + 2 * i + 1) * exp2f(mi - m);
         }
-        out[row * D + d] = from_float<T>(o / l);
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float o = 0.0f;
+            for (int i = 0; i < splits; ++i) {
+                const float mi = __ldcg(ml + 2 * i);
+                if (mi != -TL_INF) o += __ldcg(part_o + (row * splits + i) * D + d) * exp2f(mi - m);
+            }
+            out[row * D + d] = from_float<T>(o / l);
+        }
     }
 }

@@ -61,6 +61,8 @@ class PagedStorage:
         self.decode_positions = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+        # Split-KV decode: per (row, KV head), how many splits have finished (the last one merges and resets it).
+        self.split_counters = torch.zeros(self.batch * self.kv_heads, dtype=torch.int32, device=self.device)
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
         if index not in self.pages:

@@ -142,6 +142,9 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     scale = dim**-0.5
     out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim)
     assert ops_cuda.decode_partition(batch, kv_heads, group, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
+    # The last split of each (row, KV head) merges and resets its counter: a second launch gives the same output.
+    assert not storage.split_counters.any()
+    assert torch.equal(ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim), out)
     for b in range(batch):
         length, start = int(lengths[b]), int(starts[b])
         blocks = storage.block_table[b, : math.ceil(length / PAGE_SIZE)].long()
@@ -172,5 +175,5 @@ def test_sampling_kernel_greedy_and_gumbel():
 
 
 def test_compile_error_names_the_kernel():
-    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false>.*\n"):
-        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false>")
+    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1>.*\n"):
+        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1>")
