@@ -1,11 +1,12 @@
 // Tensor-core low-bit GEMM for a few token rows (2-16 per launch: verify passes, small batches):
-// y[m, n] = sum_k x[m, k] * ((q[n, k] - z[n, g]) * s[n, g])  for INT2/INT3/INT4 weights (layout: quant_layout.cuh).
+// y[m, n] = sum_k x[m, k] * ((q[n, k] - z[n, g]) * s[n, g])  for INT2/3/4/8 weights (layout: quant_layout.cuh).
 //
 // mma.sync m16n8k16 with the weights as the 16-row A operand and the tokens as N (8 per n-tile, NT tiles), so
 // the CUDA cores only dequantize (about 2 instructions per weight whatever the number of tokens) and the tensor
 // cores do the products. Each weight is dequantized straight into A fragments: (q - z) exactly by the magic-number
-// trick, times the group's scale rounded to the activation dtype, which is how the reference path rounds; or, when a
-// step (16 words of a row) lies in one group (POST_SCALE), the scale multiplies the step's fp32 sums instead.
+// trick (INT8: in fp32), times the group's scale rounded to the activation dtype, which is how the reference path
+// rounds; or, when a step (16 words of a row) lies in one group (POST_SCALE), the scale multiplies the step's fp32
+// sums instead.
 //
 // The k order inside an mma is free as long as A and B agree. Lane (g = lane / 4, t = lane % 4) reads one 16-byte
 // chunk (4 words) of rows g and g + 8; pairs 2h and 2h + 1 of word j form the fragment's two column pairs of k-tile
@@ -99,7 +100,10 @@ struct RowFragments {
             w[j] = rc.w[j];
             // Selects, not rc.zero[k]: a run-time index would put the arrays in local memory.
             const bool second = !POST_SCALE && (((first_word + j) * cpw) >> group_shift) != group0;
-            magic_minus[j] = magic_minus_zero<T>(second ? rc.zero[1] : rc.zero[0]);
+            const int zero = second ? rc.zero[1] : rc.zero[0];
+            // INT8 codes do not fit bf16's 7 mantissa bits: fp32 magic 2^23 (+ z), then an exact conversion.
+            magic_minus[j] = BITS == 8 ? __float_as_uint(8388608.0f + static_cast<float>(zero))
+                                       : magic_minus_zero<T>(zero);
             if constexpr (!POST_SCALE) {
                 const T s = from_float<T>(scale_to_float(second ? rc.scale_bits[1] : rc.scale_bits[0], scale_is_bf16));
                 scale[j] = typename Vec2<T>::type{s, s};
@@ -111,9 +115,17 @@ struct RowFragments {
 
     // Pair i of word j.
     __device__ __forceinline__ unsigned pair(int j, int i) const {
-        unsigned h = 0u;
-        if constexpr (BITS == 3) h = high[j / 2] >> (8 * (j & 1));
-        const typename Vec2<T>::type v = weight_pair<BITS, T>(w[j], h, i, magic_minus[j]);
+        typename Vec2<T>::type v;
+        if constexpr (BITS == 8) {  // bytes (k0, k2, k1, k3): pair i = bytes i and i + 2
+            const float offset = __uint_as_float(magic_minus[j]);
+            const float even = __uint_as_float(0x4B000000u | ((w[j] >> (8 * i)) & 0xFFu)) - offset;
+            const float odd = __uint_as_float(0x4B000000u | ((w[j] >> (16 + 8 * i)) & 0xFFu)) - offset;
+            v = typename Vec2<T>::type{from_float<T>(even), from_float<T>(odd)};  // |q - z| <= 255: exact
+        } else {
+            unsigned h = 0u;
+            if constexpr (BITS == 3) h = high[j / 2] >> (8 * (j & 1));
+            v = weight_pair<BITS, T>(w[j], h, i, magic_minus[j]);
+        }
         if constexpr (POST_SCALE) return vec2_bits<T>(v);
         else return vec2_bits<T>(__hmul2(v, scale[j]));
     }

@@ -29,7 +29,7 @@ CUDA = "cuda"
 GEMV_MAX_ROWS = 32  # token rows served by the GEMV kernels; more rows go through dequantize + cuBLAS
 _THREADS = 128
 _MMA_THREADS = 256  # gemm_quant_mma.cu: MMA_WARPS = 8
-MMA_BITS = (2, 3, 4)  # formats the tensor-core kernel serves (INT8 codes do not fit the bf16 magic trick)
+MMA_BITS = (2, 3, 4, 8)  # formats the tensor-core kernel serves
 MMA_MIN_ROWS = 2  # token rows from which the tensor-core kernel replaces the CUDA-core GEMV
 _SMEM_LIMIT = 48 * 1024
 
@@ -50,7 +50,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for post in ("true", "false")],
         "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}>" for t in types for i in (0, 1)],
+        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}>" for t in types for i in (0, 1) for g in (1, 2, 4, 8)],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
     }  # fmt: skip
 
@@ -92,10 +92,14 @@ def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
     return tuple(getattr(layer, name, None) for name in names)
 
 
-def gemv_k_split(chunks: int) -> int:
-    """Warps sharing one row group of the CUDA-core GEMV (K split between them) for rows of ``chunks`` 16-byte
-    chunks: long rows (down_proj) get 4, so each warp's chain of dependent loads stays short."""
-    return 4 if chunks >= 128 else 2 if chunks >= 64 else 1
+def gemv_k_split(chunks: int, row_groups: int) -> int:
+    """Warps sharing one row group of the CUDA-core GEMV (K split between them), for ``row_groups`` groups of
+    weight rows of ``chunks`` 16-byte chunks. Measured on the H200 (eval/gemv_sweep.py): layers with few rows
+    (o_proj, down_proj: 512 row groups) gain from splitting, 2 ways for 2048-column rows and 4 for longer ones;
+    layers with many rows (QKV, gate/up, 16384²) lose."""
+    if row_groups >= 2048 or chunks < 64:
+        return 1
+    return 4 if chunks >= 128 else 2
 
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
@@ -123,11 +127,11 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     launches = {}
     columns_per_word = 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
     words = K // columns_per_word
-    split = gemv_k_split(words // 4)
     for rows in (1, 4, 8):
         # One token row: 2-4 weight rows per warp. Several token rows: 4 weight rows per warp, so each activation
         # load (one per token row and word) serves 4 rows.
         R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
+        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in (sizes[:1] if swiglu else sizes)))
         ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
         launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}>", ctas)
     mma_launches = None
@@ -328,8 +332,9 @@ def _decode_shared_floats(group: int, dim: int, chunk: int) -> int:
 def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: int) -> tuple[int, int]:
     """(splits, chunk) for paged decode: enough CTAs to fill the GPU, chunks that fit shared memory."""
     max_chunk = (_SMEM_LIMIT // 4 - _decode_shared_floats(group, dim, 0)) // (group + 1) // PAGE_SIZE * PAGE_SIZE
-    # ~8 CTAs per SM (the kernel spreads the actual length over all splits, so short contexts get short spans).
-    wanted = math.ceil(1056 / (batch * kv_heads))
+    # ~4 CTAs per SM (the kernel spreads the actual length over all splits, so short contexts get short spans); at
+    # most sqrt(capacity) splits, so chunk >= splits (the merge keeps one weight per split in the scores buffer).
+    wanted = min(math.ceil(528 / (batch * kv_heads)), math.isqrt(capacity))
     splits = max(1, wanted, math.ceil(capacity / max_chunk))
     chunk = math.ceil(capacity / splits / PAGE_SIZE) * PAGE_SIZE
     return math.ceil(capacity / chunk), chunk
@@ -359,7 +364,8 @@ def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, s
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads), i32(dim),
             i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
     smem = 4 * _decode_shared_floats(group, dim, chunk)
-    name = f"paged_decode<{type_name}, {int(int8)}>"
+    max_group = next(g for g in (1, 2, 4, 8) if g >= group)
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_group}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
     return out.view(batch, heads * dim)
 

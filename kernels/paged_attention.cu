@@ -10,7 +10,6 @@
 #include "common.cuh"
 
 constexpr int PAGE = 16;
-constexpr int MAX_GROUP = 8;
 constexpr int UNROLL = 4;  // tokens per thread whose loads are in flight together
 
 // 8 consecutive K or V elements of one token and head (a 16-byte load in T, 8 bytes in int8), as fp32.
@@ -32,7 +31,9 @@ __device__ __forceinline__ void load8(const void* pages, const float* scales, in
 
 // A token is served by D/8 consecutive threads (8 elements each), so a CTA of 128 threads works on 1024/D tokens
 // at once and every load of a pass is independent (page slots are looked up once, into shared memory).
-template <typename T, int KV_INT8>
+// MAX_GROUP (1, 2, 4 or 8) bounds the query heads per KV head: the V accumulators take 8 * MAX_GROUP registers,
+// so MHA models (1) keep occupancy high.
+template <typename T, int KV_INT8, int MAX_GROUP>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
@@ -169,23 +170,35 @@ __global__ void __launch_bounds__(128) paged_decode(
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int g = 0; g < G; ++g) {
-        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
-        const float* ml = part_ml + row * splits * 2;
+    // Per head, the splits' weights 2^(m_i - M) / L go to shared memory (warp per head, lanes over splits; the
+    // scores buffer is free now), then every output element sums its splits with their loads in flight together.
+    // Partials are read through L2 (__ldcg): other CTAs wrote them.
+    float* weights = scores;  // [G][splits] (splits <= chunk)
+    for (int g = warp; g < G; g += warps) {
+        const float* ml = part_ml + (static_cast<long long>(b) * Hq + kv_head * G + g) * splits * 2;
         float m = -TL_INF;
-        for (int i = 0; i < splits; ++i) m = fmaxf(m, __ldcg(ml + 2 * i));  // L2: other CTAs wrote these
+        for (int i = lane; i < splits; i += 32) m = fmaxf(m, __ldcg(ml + 2 * i));
+        m = warp_max(m);
         float l = 0.0f;
-        for (int i = 0; i < splits; ++i) {
+        for (int i = lane; i < splits; i += 32) {
             const float mi = __ldcg(ml + 2 * i);
-            l += mi == -TL_INF ? 0.0f : __ldcg(ml + 2 * i + 1) * exp2f(mi - m);
+            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - m);
+            weights[g * splits + i] = w;
+            l += w * __ldcg(ml + 2 * i + 1);
         }
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            float o = 0.0f;
-            for (int i = 0; i < splits; ++i) {
-                const float mi = __ldcg(ml + 2 * i);
-                if (mi != -TL_INF) o += __ldcg(part_o + (row * splits + i) * D + d) * exp2f(mi - m);
-            }
-            out[row * D + d] = from_float<T>(o / l);
+        l = warp_sum(l);
+        for (int i = lane; i < splits; i += 32) weights[g * splits + i] /= l;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        float o = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < splits; ++i) {
+            const float w = weights[g * splits + i];
+            if (w != 0.0f) o += __ldcg(part_o + (row * splits + i) * D + d) * w;
         }
+        out[row * D + d] = from_float<T>(o);
     }
 }

@@ -106,7 +106,8 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert all(int(rope[i]) != 0 for i in (0, 1, 2, 3, 4, 5, 8, 9))  # qkv, cos, sin, q, K/V pages, table, positions
     assert layer_launches[3][2] == (kv_heads, 1, splits)  # paged decode grid
     assert int(layer_launches[3][3][11]) == cache.storage.split_counters.data_ptr()
-    assert names.count("paged_decode<__nv_bfloat16, 0>") == model.config.num_loop_layers * model.config.num_loops
+    attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
+    assert attention_launches == model.config.num_loop_layers * model.config.num_loops
 
 
 def test_int8_kv_passes_scales(launches):
@@ -117,7 +118,7 @@ def test_int8_kv_passes_scales(launches):
         model(torch.randint(1, 256, (1, 1)), past_key_values=cache, use_cache=True)
     rope = next(args for _, name, _, args, _ in launches if name.startswith("rope_kv_append"))
     assert int(rope[6]) != 0 and int(rope[7]) != 0 and int(rope[-1]) == 1  # k/v scales, kv_int8 flag
-    assert any(name == "paged_decode<__nv_bfloat16, 1>" for _, name, *_ in launches)
+    assert any(name.startswith("paged_decode<__nv_bfloat16, 1, ") for _, name, *_ in launches)
 
 
 def test_gemv_launches_read_the_layers_current_tensors(launches):
