@@ -174,20 +174,32 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Ten
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
 
 
-def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's weight [N, K] in ``dtype`` (in a buffer reused by every layer of that shape)."""
-    fmt, N, K = layer.format, layer.out_features, layer.in_features
-    key = (N, K, dtype, layer.qweight.device)
+def dequantize_weights(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor:
+    """The layers' weights stacked along rows, [sum N, K] in ``dtype``, in a buffer reused by every layer tuple of
+    that shape (fused projections then need one GEMM and no concatenation)."""
+    K, device = layers[0].in_features, layers[0].qweight.device
+    rows = [layer.out_features for layer in layers]
+    key = (tuple(rows), K, dtype, device)
     out = _DEQUANT_BUFFERS.get(key)
     if out is None:
-        out = _DEQUANT_BUFFERS[key] = torch.empty(N, K, dtype=dtype, device=layer.qweight.device)
-    words = layer.qweight.numel()
-    name = f"dequantize_weight<{fmt.bits}, {cuda_type(dtype)}>"
-    args = (ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-            ptr(getattr(layer, "zeros", None)), ptr(out), i32(N), i32(K), i32(group_shift(fmt)),
-            i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
-    launch(kernel("gemv_quant.cu", name), (min(4096, math.ceil(words / 256)),), (256,), args)
+        out = _DEQUANT_BUFFERS[key] = torch.empty(sum(rows), K, dtype=dtype, device=device)
+    start = 0
+    for layer, N in zip(layers, rows, strict=True):
+        fmt = layer.format
+        words = layer.qweight.numel()
+        name = f"dequantize_weight<{fmt.bits}, {cuda_type(dtype)}>"
+        args = (ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
+                ptr(getattr(layer, "zeros", None)), np.uint64(out.data_ptr() + start * K * out.element_size()), i32(N),
+                i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)),
+                i32(fmt.midpoint))  # fmt: skip
+        launch(kernel("gemv_quant.cu", name), (min(4096, math.ceil(words / 256)),), (256,), args)
+        start += N
     return out
+
+
+def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's weight [N, K] in ``dtype`` (in a buffer reused by every layer of that shape)."""
+    return dequantize_weights([layer], dtype)
 
 
 def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False) -> torch.Tensor:
@@ -197,6 +209,19 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
     quantized = [isinstance(layer, QuantLinear) for layer in layers]
     if all(quantized) and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
         return _gemv(x, layers, swiglu)
+    if all(quantized):  # prefill: one dequantized stack, one GEMM
+        weight = dequantize_weights(layers, x.dtype)
+        biases = [layer.bias for layer in layers]
+        bias = None
+        if any(b is not None for b in biases):
+            parts = [torch.zeros(layer.out_features, device=x.device) if b is None else b
+                     for layer, b in zip(layers, biases, strict=True)]  # fmt: skip
+            bias = torch.cat(parts).to(x.dtype)
+        y = F.linear(x, weight, bias)
+        if swiglu:
+            gate, up = y.split(layers[0].out_features, dim=-1)
+            return F.silu(gate) * up
+        return y
     outputs = []
     for layer in layers:
         weight = dequantize_weight(layer, x.dtype) if isinstance(layer, QuantLinear) else layer.weight

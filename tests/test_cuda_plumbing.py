@@ -141,3 +141,19 @@ def test_gemv_launches_read_the_layers_current_tensors(launches):
     assert int(args[9]) == k.qweight.data_ptr() and int(args[13]) == k.bias.data_ptr()
     k.bias.data = k.bias.data.clone()  # a tensor moves (as .to() would): the cached launch plan must follow
     assert int(qkv_args()[13]) == k.bias.data_ptr()
+
+
+def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
+    model = _model("llama", 4)
+    attention = next(
+        layer for layers in (model.model.prelude_layers, model.model.loop_layers) for layer in layers
+    ).self_attn
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 40)), past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
+    dequant = [args for _, name, _, args, _ in launches if name.startswith("dequantize_weight")]
+    first_qkv = dequant[:3]  # q, k, v of the first layer, written into consecutive rows of one buffer
+    widths = [layer.out_features for layer in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    assert [int(args[5]) for args in first_qkv] == widths
+    row_bytes = attention.q_proj.in_features * 2  # bf16
+    offsets = [int(args[4]) - int(first_qkv[0][4]) for args in first_qkv]
+    assert offsets == [0, widths[0] * row_bytes, (widths[0] + widths[1]) * row_bytes]

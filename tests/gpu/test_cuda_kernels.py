@@ -75,10 +75,15 @@ def test_fused_qkv_and_swiglu(dtype):
     fmt = QuantFormat(bits=4, group_size=64)
     q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
     gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
-    for rows in (1, 3, 12):  # the CUDA-core GEMV, the tensor-core kernel with one and two n-tiles
+    # The CUDA-core GEMV, the tensor-core kernel with one and two n-tiles, prefill (one dequantized stack, one GEMM).
+    for rows in (1, 3, 12, 40):
         x = torch.randn(rows, 256, device="cuda", dtype=dtype)
         fused = ops_cuda.project(x, [q, k, v])
-        assert torch.equal(fused, torch.cat([ops_cuda.project(x, [layer]) for layer in (q, k, v)], dim=-1))
+        separate = torch.cat([ops_cuda.project(x, [layer]) for layer in (q, k, v)], dim=-1)
+        if rows <= ops_cuda.GEMV_MAX_ROWS:
+            assert torch.equal(fused, separate)
+        else:  # cuBLAS may pick another algorithm for the stacked shape
+            assert _relative_error(fused, separate) <= 1e-2
         swiglu = ops_cuda.project(x, [gate, up], swiglu=True)
         expected = F.silu(ops_cuda.project(x, [gate])) * ops_cuda.project(x, [up])
         assert _relative_error(swiglu, expected) <= 1e-2, rows
