@@ -85,18 +85,14 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     heads, kv_heads, dim = 4, model.config.num_key_value_heads, model.config.head_dim
     splits, _ = ops_cuda.decode_partition(1, kv_heads, heads // kv_heads, dim, cache.storage.capacity)
     names = [name for _, name, *_ in launches]
-    per_layer = names[: names.index("rms_norm<__nv_bfloat16>", 1)]  # up to the next layer's input norm
-    assert [n.split("<")[0] for n in per_layer] == [
-        "rms_norm",
-        "gemv_quant",
-        "rope_kv_append",
-        "paged_decode",
-        "gemv_quant",
-        "residual_norm",
-        "gemv_quant",
-        "gemv_quant",
-        "residual_norm",
-    ]  # fmt: skip  (split-KV partials are merged inside paged_decode by the last split)
+    kernels = [n.split("<")[0] for n in names]
+    # A loop: the first block's input norm, then per block QKV, RoPE + append, attention (split-KV partials merged
+    # inside paged_decode), O, junction (+ next norm), gate/up, down, junction (+ the next block's input norm).
+    block = ["gemv_quant", "rope_kv_append", "paged_decode", "gemv_quant", "residual_norm", "gemv_quant", "gemv_quant",
+             "residual_norm"]  # fmt: skip
+    loop = ["rms_norm", *block * model.config.num_loop_layers, "rms_norm"]  # Ouro: a final norm after every loop
+    assert kernels[: len(loop)] == loop
+    per_layer = names[: 1 + len(block)]
     gate_up = per_layer[-3]
     assert ", true, " in gate_up and ", true, " not in per_layer[1]  # SwiGLU fused into gate/up
     layer_launches = launches[: len(per_layer)]

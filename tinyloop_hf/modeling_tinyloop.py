@@ -9,7 +9,7 @@ kernels replace the reference without touching this file. Modules call linear / 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,12 +155,22 @@ class TinyLoopBlock(nn.Module):
             self.input_layernorm_2 = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N2
             self.post_attention_layernorm_2 = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)  # N4
 
-    def forward(self, x: torch.Tensor, context: _ForwardContext, slot: int) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), context, slot)
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: _ForwardContext,
+        slot: int,
+        normed: torch.Tensor | None = None,
+        next_norm: TinyLoopRMSNorm | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x -> the block's output. Chained blocks (``TinyLoopModel._run_layers``) hand the input norm over: with
+        ``next_norm`` the last junction also returns next_norm(output), which the next block takes as ``normed``
+        (its input_layernorm(x), one kernel fewer per layer on the CUDA path)."""
+        attn = self.self_attn(self.input_layernorm(x) if normed is None else normed, context, slot)
         x, h = self._junction(x, attn, getattr(self, "input_layernorm_2", None), self.post_attention_layernorm)
         mlp = self.mlp(h)
-        x, _ = self._junction(x, mlp, getattr(self, "post_attention_layernorm_2", None), None)
-        return x
+        x, next_normed = self._junction(x, mlp, getattr(self, "post_attention_layernorm_2", None), next_norm)
+        return x if next_norm is None else (x, next_normed)
 
     def _junction(
         self, x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module | None, next_norm: nn.Module | None
@@ -334,8 +344,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
 
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
-        for index, layer in enumerate(self.prelude_layers):
-            hidden = layer(hidden, context, _slot(cache, "prelude", index))
+        hidden = self._run_layers(self.prelude_layers, hidden, context, lambda index: _slot(cache, "prelude", index))
         threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
         if threshold is not None and not self.config.exit_gate:
             raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
@@ -377,8 +386,9 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         gates: list[torch.Tensor] = []
         for loop in range(total_loops):
             x = self._inject(state, loop_input)
-            for index, layer in enumerate(self.loop_layers):
-                x = layer(x, context, _slot(context.cache, "loop", index, loop))
+            x = self._run_layers(
+                self.loop_layers, x, context, lambda index, loop=loop: _slot(context.cache, "loop", index, loop)
+            )
             if self.config.final_norm == "every_loop":
                 x = self.norm(x)
             state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
@@ -406,9 +416,25 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         """Loop state -> head input: the coda layers with the configured final norm(s) (context: None only
         for a model without coda layers)."""
         x = self.norm(state) if self.config.final_norm == "before_and_after_coda" else state
-        for index, layer in enumerate(self.coda_layers):
-            x = layer(x, context, _slot(context.cache, "coda", index))
+        if len(self.coda_layers):
+            x = self._run_layers(self.coda_layers, x, context, lambda index: _slot(context.cache, "coda", index))
         return self.norm(x) if self.config.final_norm != "every_loop" else x
+
+    @staticmethod
+    def _run_layers(
+        layers: nn.ModuleList, x: torch.Tensor, context: _ForwardContext, slot_of: Callable[[int], int]
+    ) -> torch.Tensor:
+        """Blocks in sequence; each one's last junction also applies the next block's input norm (same math as the
+        next block applying it, one op fewer)."""
+        normed = None
+        for index, layer in enumerate(layers):
+            following = layers[index + 1] if index + 1 < len(layers) else None
+            next_norm = following.input_layernorm if following is not None else None
+            if next_norm is not None and next_norm.weight.device != layer.input_layernorm.weight.device:
+                next_norm = None  # a device map split here: the next block normalizes on its own device
+            out = layer(x, context, slot_of(index), normed, next_norm)
+            x, normed = out if next_norm is not None else (out, None)
+        return x
 
 
 class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
