@@ -190,9 +190,10 @@ def gemv_timing(out_features: int, in_features: int, rows: int, bits: int = 4, r
 def kv_bytes_per_token(config: TinyLoopConfig, loops: int, int8: bool) -> int:
     """K/V bytes one token costs in the paged cache at this depth (what ``PagedTinyLoopCache.bytes_per_token()``
     reports once every slot is written): one slot per prelude/coda layer and per (loop, loop-block layer)."""
+    from tinyloop_hf.paged_cache import kv_bytes_per_token_per_slot
+
     slots = config.num_prelude_layers + config.num_coda_layers + loops * config.num_loop_layers
-    per_head = config.head_dim * (1 if int8 else 2) + (4 if int8 else 0)  # bf16 values, or int8 + an fp32 scale
-    return slots * 2 * config.num_key_value_heads * per_head
+    return slots * kv_bytes_per_token_per_slot(config.num_key_value_heads, config.head_dim, torch.bfloat16, int8)
 
 
 def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:

@@ -416,8 +416,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         """Loop state -> head input: the coda layers with the configured final norm(s) (context: None only
         for a model without coda layers)."""
         x = self.norm(state) if self.config.final_norm == "before_and_after_coda" else state
-        if len(self.coda_layers):
-            x = self._run_layers(self.coda_layers, x, context, lambda index: _slot(context.cache, "coda", index))
+        x = self._run_layers(self.coda_layers, x, context, lambda index: _slot(context.cache, "coda", index))
         return self.norm(x) if self.config.final_norm != "every_loop" else x
 
     @staticmethod
@@ -482,7 +481,7 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         if output_attentions:
             raise ValueError("output_attentions=True is not supported by TinyLoopForCausalLM")
         given_cache = cache if cache is not None else past_key_values
-        graph_logits = self._graph_decode(input_ids, attention_mask, position_ids, given_cache, locals())
+        graph_logits = self._graph_step(input_ids, attention_mask, position_ids, given_cache, locals())
         if graph_logits is not None:
             output = TinyLoopCausalLMOutput(logits=graph_logits, **{CACHE_OUTPUT_FIELD: given_cache})
             return output if return_dict is not False else output.to_tuple()
@@ -518,7 +517,7 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         )
         return output if return_dict is not False else output.to_tuple()
 
-    def _graph_decode(
+    def _graph_step(
         self, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any, arguments: dict[str, Any]
     ) -> torch.Tensor | None:
         """Logits of a step replayed from a CUDA graph (CUDA path: decode, or a prompt), or None to run it normally."""

@@ -75,8 +75,14 @@ class PagedStorage:
         return self.pages[index]
 
     def bytes_per_token_per_slot(self) -> int:
-        element = 1 if self.int8 else torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.kv_heads * (self.head_dim * element + (4 if self.int8 else 0))
+        return kv_bytes_per_token_per_slot(self.kv_heads, self.head_dim, self.dtype, self.int8)
+
+
+def kv_bytes_per_token_per_slot(kv_heads: int, head_dim: int, dtype: torch.dtype, int8: bool) -> int:
+    """K and V of one token in one (loop, layer) slot: values in ``dtype``, or int8 values and an fp32 scale per
+    KV head."""
+    element = 1 if int8 else torch.empty((), dtype=dtype).element_size()
+    return 2 * kv_heads * (head_dim * element + (4 if int8 else 0))
 
 
 class PagedTinyLoopCache(TinyLoopCache):
