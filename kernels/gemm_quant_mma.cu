@@ -169,27 +169,14 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int blocks0 = (N0 + 15) / 16, blocks1 = (N1 + 15) / 16;
-    int block = blockIdx.x, N = N0, column = 0;
+    const ProjectionSlot<T> slot =
+        select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
+                             QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
     QuantMatrix mats[MATS];
-    mats[0] = QuantMatrix{qw0, qh0, sc0, zr0};
+    mats[0] = slot.mat;
     if constexpr (SWIGLU) mats[1] = QuantMatrix{qw1, qh1, sc1, zr1};
-    const T* bias = bias0;
-    if (!SWIGLU && block >= blocks0) {
-        block -= blocks0;
-        column = N0;
-        if (block < blocks1) {
-            mats[0] = QuantMatrix{qw1, qh1, sc1, zr1};
-            bias = bias1;
-            N = N1;
-        } else {
-            block -= blocks1;
-            column = N0 + N1;
-            mats[0] = QuantMatrix{qw2, qh2, sc2, zr2};
-            bias = bias2;
-            N = N2;
-        }
-    }
+    const T* bias = slot.bias;
+    const int N = slot.N, column = slot.column, block = slot.block;
     const int row0 = block * 16;
     const int row_lo = min(row0 + g, N - 1), row_hi = min(row0 + g + 8, N - 1);
     const int words = K / cpw;

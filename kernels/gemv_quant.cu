@@ -219,25 +219,12 @@ __global__ void __launch_bounds__(128) gemv_quant(
     constexpr int MATS = SWIGLU ? 2 : 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row_group = warp / KSPLIT, part = warp % KSPLIT;
-    const int blocks0 = (N0 + ROWS_PER_CTA - 1) / ROWS_PER_CTA, blocks1 = (N1 + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
-    int block = blockIdx.x, N = N0, column = 0;
-    QuantMatrix mat{qw0, qh0, sc0, zr0};
-    const T* bias = bias0;
-    if (!SWIGLU && block >= blocks0) {
-        block -= blocks0;
-        column = N0;
-        if (block < blocks1) {
-            mat = QuantMatrix{qw1, qh1, sc1, zr1};
-            bias = bias1;
-            N = N1;
-        } else {
-            block -= blocks1;
-            column = N0 + N1;
-            mat = QuantMatrix{qw2, qh2, sc2, zr2};
-            bias = bias2;
-            N = N2;
-        }
-    }
+    const ProjectionSlot<T> slot =
+        select_projection<T>(blockIdx.x, ROWS_PER_CTA, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
+                             QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
+    const QuantMatrix mat = slot.mat;
+    const T* bias = slot.bias;
+    const int N = slot.N, column = slot.column, block = slot.block;
     const int row0 = (block * GROUPS_PER_CTA + row_group) * R;
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
