@@ -4,6 +4,7 @@
 // Work split: a CTA of 4 warps; each warp owns R output rows (each activation chunk is loaded once, used R
 // times); lanes stride over the row in 16-byte weight loads. Epilogues: + bias, + residual, or SwiGLU
 // (SWIGLU: a second matrix "up" with the same shape; y = silu(gate . x) * (up . x)).
+#include "norm.cuh"
 #include "quant_layout.cuh"
 
 // Activations of one weight word's columns, per token row: INT4 8 columns = one uint4, INT2/INT3 16 = two, INT8 4
@@ -203,6 +204,9 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
 // y), or (SWIGLU) a gate matrix 0 and an up matrix 1 of the same shape. CTAs are assigned to matrices in order.
 // KSPLIT warps share each R rows and split K between them (summed through shared memory): short rows and
 // long-K / few-row layers (down_proj) then have more loads in flight and shorter dependent chains per warp.
+// Junction prologue (jx not null): x is not given but computed by every CTA from the residual stream jx and the
+// previous sublayer's output jbranch as the block's residual junction (norm.cuh) into shared memory (dynamic, M * K
+// elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
 template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT>
 __global__ void __launch_bounds__(128) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
@@ -213,7 +217,8 @@ __global__ void __launch_bounds__(128) gemv_quant(
     const unsigned* qw2, const unsigned* qh2, const unsigned short* sc2, const unsigned char* zr2, const T* bias2,
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
-    int scale_is_bf16, int midpoint) {
+    int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
+    float eps, int mode) {
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
     constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
     constexpr int MATS = SWIGLU ? 2 : 1;
@@ -225,6 +230,17 @@ __global__ void __launch_bounds__(128) gemv_quant(
     const QuantMatrix mat = slot.mat;
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
+    if (jx != nullptr) {
+        extern __shared__ __align__(16) unsigned char staged_bytes[];
+        T* staged = reinterpret_cast<T*>(staged_bytes);
+        for (int m = 0; m < M; ++m)
+            junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
+                         jw_next, blockIdx.x == 0 ? jsum + static_cast<long long>(m) * K : nullptr, staged + m * K,
+                         K, eps, mode);
+        __syncthreads();
+        x = staged;
+        ldx = K;
+    }
     const int row0 = (block * GROUPS_PER_CTA + row_group) * R;
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];

@@ -147,13 +147,18 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     return plan
 
 
-def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Tensor:
-    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
+_NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
+
+
+def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, junction: tuple = _NO_JUNCTION) -> torch.Tensor:
+    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
+    ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
+    fused = junction is not _NO_JUNCTION
     y = torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
     row_bytes, out_bytes = K * x.element_size(), plan.out_features * y.element_size()
-    if rows >= MMA_MIN_ROWS and plan.mma_launches is not None:
+    if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
             args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
@@ -164,10 +169,13 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Ten
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
+        if fused and (start or chunk != rows):
+            raise ValueError("the junction prologue serves up to 8 rows in one launch")
         args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
+                plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail, *junction)  # fmt: skip
         name, ctas = plan.launches[maxm]
-        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args)
+        shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
+        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared)
     return y
 
 
@@ -247,6 +255,44 @@ def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     hidden = project(rows, [module.gate_proj, module.up_proj], swiglu=True)
     return project(hidden, [module.down_proj]).view(*x.shape[:-1], -1)
+
+
+JUNCTION_PROLOGUE_MAX_HIDDEN = 8 * 4 * _THREADS  # norm.cuh: 8 values x MAX_VECS vectors per thread
+
+
+@register_op("junction_mlp", CUDA)
+def junction_mlp(
+    module: Any,
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual junction after attention and the MLP on its normed output. One decode row with quantized
+    gate/up: the junction runs in the prologue of the gate/up GEMV (every CTA normalizes the row into shared
+    memory, CTA 0 writes the new residual stream); otherwise the junction kernel, then the MLP."""
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    gate_up = [module.gate_proj, module.up_proj]
+    fusable = (
+        rows.shape[0] == 1
+        and all(isinstance(layer, QuantLinear) for layer in gate_up)
+        and hidden <= JUNCTION_PROLOGUE_MAX_HIDDEN
+        and hidden % 8 == 0
+    )
+    if not fusable:
+        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
+        return total, mlp(module, normed)
+    _check(x, "the residual stream")
+    rows, branch = rows.contiguous(), branch.reshape(-1, hidden).contiguous()
+    total = torch.empty_like(rows)
+    junction = (ptr(rows), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), f32(eps),
+                i32(JUNCTION_MODES[mode]))  # fmt: skip
+    activated = _gemv(rows, gate_up, swiglu=True, junction=junction)
+    out = project(activated, [module.down_proj])
+    return total.view(x.shape), out.view(*x.shape[:-1], -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """TinyLoopModel / TinyLoopForCausalLM: embed -> prelude -> num_loops x (injection + loop block) -> coda -> head.
 
 Every numeric op goes through ``ops_tinyloop.get_op(name, module.op_backend)``, so a quantized linear or the CUDA
-kernels replace the reference without touching this file. Modules call linear / rms_norm and three block-level ops
-(self_attention, mlp, residual_norm) whose reference versions below are built from the small reference ops
-(rope, attention, swiglu, rms_norm); a backend may fuse them (the CUDA one does). Architectures differ only in
-``TinyLoopConfig``.
+kernels replace the reference without touching this file. Modules call linear / rms_norm and four block-level ops
+(self_attention, mlp, residual_norm, junction_mlp) whose reference versions below are built from the small
+reference ops (rope, attention, swiglu, rms_norm); a backend may fuse them (the CUDA one does). Architectures
+differ only in ``TinyLoopConfig``.
 """
 
 from __future__ import annotations
@@ -167,8 +167,16 @@ class TinyLoopBlock(nn.Module):
         ``next_norm`` the last junction also returns next_norm(output), which the next block takes as ``normed``
         (its input_layernorm(x), one kernel fewer per layer on the CUDA path)."""
         attn = self.self_attn(self.input_layernorm(x) if normed is None else normed, context, slot)
-        x, h = self._junction(x, attn, getattr(self, "input_layernorm_2", None), self.post_attention_layernorm)
-        mlp = self.mlp(h)
+        branch_norm = getattr(self, "input_layernorm_2", None)
+        x, mlp = get_op("junction_mlp", self.op_backend)(
+            self.mlp,
+            x,
+            attn,
+            branch_norm.weight if branch_norm is not None else None,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            self.block_norm,
+        )
         x, next_normed = self._junction(x, mlp, getattr(self, "post_attention_layernorm_2", None), next_norm)
         return x if next_norm is None else (x, next_normed)
 
@@ -205,6 +213,22 @@ def reference_residual_norm(
     else:
         total = norm(branch + x, branch_weight, eps)
     return total, norm(total, next_weight, eps) if next_weight is not None else None
+
+
+@register_op("junction_mlp", REFERENCE)
+def reference_junction_mlp(
+    module: TinyLoopMLP,
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The junction after attention and the MLP on its normed output, as one op so that a backend may fuse the
+    junction into the MLP's first projection: (new residual stream, MLP output)."""
+    total, normed = get_op("residual_norm", REFERENCE)(x, branch, branch_weight, next_weight, eps, mode)
+    return total, module(normed)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

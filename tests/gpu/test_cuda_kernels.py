@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyloop_hf import QuantFormat, QuantLinear
+from helpers import tiny_model
+from tinyloop_hf import QuantFormat, QuantLinear, TinyLoopQuantConfig
+from tinyloop_hf.convert.quantize import quantize_model
 from tinyloop_hf.ops_tinyloop import REFERENCE, get_op
 from tinyloop_hf.quant_tinyloop import quantize_rtn
 
@@ -182,3 +184,27 @@ def test_sampling_kernel_greedy_and_gumbel():
 def test_compile_error_names_the_kernel():
     with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1>.*\n"):
         kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1>")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,mode", [("llama", "pre"), ("ouro", "sandwich"), ("huginn", "post_residual")])
+def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode):
+    model = tiny_model(variant, hidden_size=512, intermediate_size=1024)
+    quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=64), progress=False)
+    model = model.to(device="cuda", dtype=dtype)
+    block = model.model.loop_layers[0]
+    assert block.block_norm == mode
+    branch_norm = getattr(block, "input_layernorm_2", None)
+    for rows in (1, 3):  # one decode row: junction in the gate/up GEMV prologue; more: junction kernel + MLP
+        x, branch = (torch.randn(rows, 1, 512, device="cuda", dtype=dtype) for _ in range(2))
+        args = (x, branch, branch_norm.weight if branch_norm is not None else None,
+                block.post_attention_layernorm.weight, 1e-6, mode)  # fmt: skip
+        model.set_op_backend(REFERENCE)
+        want_total, want_out = get_op("junction_mlp", REFERENCE)(block.mlp, *args)
+        model.set_op_backend("cuda")
+        total, out = get_op("junction_mlp", "cuda")(block.mlp, *args)
+        assert total.shape == want_total.shape and out.shape == want_out.shape
+        assert _relative_error(total, want_total) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), rows
+        assert _relative_error(out, want_out) <= 3e-2, rows
+        unfused_total, _ = ops_cuda.residual_norm(*args)
+        assert _relative_error(total, unfused_total) <= 1e-2, rows
