@@ -273,26 +273,44 @@ def junction_mlp(
     """The residual junction after attention and the MLP on its normed output. One decode row with quantized
     gate/up: the junction runs in the prologue of the gate/up GEMV (every CTA normalizes the row into shared
     memory, CTA 0 writes the new residual stream); otherwise the junction kernel, then the MLP."""
+    fused = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode,
+                               [module.gate_proj, module.up_proj], swiglu=True)  # fmt: skip
+    if fused is None:
+        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
+        return total, mlp(module, normed)
+    total, activated = fused
+    out = project(activated, [module.down_proj])
+    return total, out.view(*x.shape[:-1], -1)
+
+
+def _junction_prologue(
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor,
+    eps: float,
+    mode: str,
+    layers: list[Any],
+    swiglu: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(new residual stream, projection of its normed row) from one GEMV launch with the junction in its prologue,
+    or None where that launch cannot serve the step (several rows, unquantized layers, hidden too large)."""
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
-    gate_up = [module.gate_proj, module.up_proj]
     fusable = (
         rows.shape[0] == 1
-        and all(isinstance(layer, QuantLinear) for layer in gate_up)
+        and all(isinstance(layer, QuantLinear) for layer in layers)
         and hidden <= JUNCTION_PROLOGUE_MAX_HIDDEN
         and hidden % 8 == 0
     )
     if not fusable:
-        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
-        return total, mlp(module, normed)
+        return None
     _check(x, "the residual stream")
     rows, branch = rows.contiguous(), branch.reshape(-1, hidden).contiguous()
     total = torch.empty_like(rows)
     junction = (ptr(rows), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), f32(eps),
                 i32(JUNCTION_MODES[mode]))  # fmt: skip
-    activated = _gemv(rows, gate_up, swiglu=True, junction=junction)
-    out = project(activated, [module.down_proj])
-    return total.view(x.shape), out.view(*x.shape[:-1], -1)
+    return total.view(x.shape), _gemv(rows, layers, swiglu=swiglu, junction=junction)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -348,19 +366,50 @@ def residual_norm(
 
 @register_op("self_attention", CUDA)
 def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
-    config = module.config
     batch, steps, _ = x.shape
-    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
     qkv = project(x.reshape(batch * steps, -1), [module.q_proj, module.k_proj, module.v_proj])
+    return _attend(module, qkv, batch, steps, context, slot)
+
+
+@register_op("junction_attention", CUDA)
+def junction_attention(
+    module: Any,
+    x: torch.Tensor,
+    branch: torch.Tensor,
+    branch_weight: torch.Tensor | None,
+    next_weight: torch.Tensor,
+    eps: float,
+    mode: str,
+    context: Any,
+    slot: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous block's last junction and this block's attention on its normed output. One decode row with
+    quantized projections: the junction runs in the prologue of the QKV GEMV; otherwise the junction kernel, then
+    attention."""
+    batch, steps, hidden = x.shape
+    fused = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode,
+                               [module.q_proj, module.k_proj, module.v_proj], swiglu=False)  # fmt: skip
+    if fused is None:
+        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
+        return total, self_attention(module, normed, context, slot)
+    total, qkv = fused
+    return total, _attend(module, qkv, batch, steps, context, slot)
+
+
+def _attend(module: Any, qkv: torch.Tensor, batch: int, steps: int, context: Any, slot: int) -> torch.Tensor:
+    """Attention from the fused QKV projection [batch * steps, (Hq + 2 Hkv) * D], through the output projection."""
+    config = module.config
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
+    dtype, device = qkv.dtype, qkv.device
     cache = context.cache
     if cache is not None and not isinstance(cache, PagedTinyLoopCache):
         raise CudaPathUnavailable(
             "the CUDA path keeps K/V in a paged cache: pass PagedTinyLoopCache (model.new_cache() makes one) "
             "or let generate() create it"
         )
-    query = torch.empty(batch * steps, heads, dim, dtype=x.dtype, device=x.device)
+    query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
     contiguous = steps > 1 or cache is None
-    key = torch.empty(batch * steps, kv_heads, dim, dtype=x.dtype, device=x.device) if contiguous else None
+    key = torch.empty(batch * steps, kv_heads, dim, dtype=dtype, device=device) if contiguous else None
     value = torch.empty_like(key) if contiguous else None
     storage = cache.storage if cache is not None else None
     if cache is not None:
@@ -377,7 +426,7 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
         *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
         i32(int(scales[0] is not None)),
     )
-    launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(x.dtype)}>"), (math.ceil(warps / 4),), (128,), args)
+    launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args)
 
     if steps == 1 and cache is not None:
         out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
@@ -386,7 +435,7 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
         if cache is None or cache.length == 0:
             k, v = (t.view(batch, steps, kv_heads, dim).transpose(1, 2) for t in (key, value))
         else:
-            k, v = cache.gather(slot, cache.length + steps, x.dtype)
+            k, v = cache.gather(slot, cache.length + steps, dtype)
         implementation = "eager" if config._attn_implementation == "eager" else "sdpa"
         # Prompts: PyTorch's fused SDPA over contiguous K/V (compute-bound; the reference op is that call).
         attended = get_op("attention", REFERENCE)(q, k, v, context.mask, context.is_causal, module.scaling,

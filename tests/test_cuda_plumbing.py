@@ -86,20 +86,22 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     splits, _ = ops_cuda.decode_partition(1, kv_heads, heads // kv_heads, dim, cache.storage.capacity)
     names = [name for _, name, *_ in launches]
     kernels = [n.split("<")[0] for n in names]
-    # A loop: the first block's input norm, then per block QKV, RoPE + append, attention (split-KV partials merged
-    # inside paged_decode), O, gate/up (with the junction after attention in its prologue), down, junction (+ the
-    # next block's input norm).
-    block = ["gemv_quant", "rope_kv_append", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant", "residual_norm"]
-    loop = ["rms_norm", *block * model.config.num_loop_layers, "rms_norm"]  # Ouro: a final norm after every loop
+    # A loop: the first block's input norm, then per block QKV (from the second block on with the previous block's
+    # last junction in its prologue), RoPE + append, attention (split-KV partials merged inside paged_decode), O,
+    # gate/up (with the junction after attention in its prologue), down; the last block's junction; Ouro's norm.
+    block = ["gemv_quant", "rope_kv_append", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
+    loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
+    second_qkv = launches[1 + len(block)][3]
+    assert all(int(a) != 0 for a in second_qkv[-7:-2]) and int(second_qkv[-1]) == 1  # junction, sandwich mode
     per_layer = names[: 1 + len(block)]
-    gate_up = per_layer[-3]
+    gate_up = per_layer[-2]
     assert ", true, " in gate_up and ", true, " not in per_layer[1]  # SwiGLU fused into gate/up
-    gate_up_launch = launches[len(per_layer) - 3]
+    gate_up_launch = launches[len(per_layer) - 2]
     junction = gate_up_launch[3][-7:]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode
     assert all(int(p) != 0 for p in junction[:5]) and int(junction[6]) == 1  # Ouro: sandwich junction
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
-    assert all(int(a) == 0 for a in launches[1][3][-7:-2])  # the QKV launch has no junction
+    assert all(int(a) == 0 for a in launches[1][3][-7:-2])  # the first block's QKV launch has no junction
     layer_launches = launches[: len(per_layer)]
     qkv = layer_launches[1][3]
     assert [int(qkv[8]), int(qkv[14]), int(qkv[20])] == [heads * dim, kv_heads * dim, kv_heads * dim]  # N0, N1, N2
