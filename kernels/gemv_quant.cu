@@ -200,6 +200,13 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         for (int m = 0; m < MAXM; ++m) acc[r][m] = warp_sum(acc[r][m]);
 }
 
+// One-row INT4/INT8 launches with R = 2 are held to 64 registers (8 CTAs of 128 threads per SM, no spills, checked
+// with ptxas_report): large matrices then run in close to whole waves (16384 rows: 2048 CTAs over 1056 slots)
+// instead of 1.55 waves of R = 4 CTAs at 96 registers. INT2/INT3 would spill at 64.
+template <int BITS, int MAXM, int R> struct GemvOccupancy {
+    static constexpr int min_ctas = MAXM == 1 && R == 2 && (BITS == 4 || BITS == 8) ? 8 : 1;
+};
+
 // One launch serves up to three matrices sharing K and the format (QKV: outputs concatenated along columns of
 // y), or (SWIGLU) a gate matrix 0 and an up matrix 1 of the same shape. CTAs are assigned to matrices in order.
 // KSPLIT warps share each R rows and split K between them (summed through shared memory): short rows and
@@ -208,7 +215,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
 // previous sublayer's output jbranch as the block's residual junction (norm.cuh) into shared memory (dynamic, M * K
 // elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
 template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT>
-__global__ void __launch_bounds__(128) gemv_quant(
+__global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,

@@ -128,9 +128,9 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     columns_per_word = 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
     words = K // columns_per_word
     for rows in (1, 4, 8):
-        # One token row: 2-4 weight rows per warp. Several token rows: 4 weight rows per warp, so each activation
-        # load (one per token row and word) serves 4 rows.
-        R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
+        # One token row: 2 weight rows per warp (64 registers: 8 CTAs per SM). Several token rows: 4 weight rows per
+        # warp, so each activation load (one per token row and word) serves 4 rows.
+        R = 2 if rows == 1 else 4
         split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in (sizes[:1] if swiglu else sizes)))
         ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
         launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}>", ctas)
