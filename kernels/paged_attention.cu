@@ -10,22 +10,46 @@
 #include "common.cuh"
 
 constexpr int PAGE = 16;
-constexpr int UNROLL = 4;  // tokens per thread whose loads are in flight together
+constexpr int UNROLL = 8;  // tokens per thread whose loads are in flight together (raw: 5 registers each)
 
-// 8 consecutive K or V elements of one token and head (a 16-byte load in T, 8 bytes in int8), as fp32.
+// 8 consecutive K or V elements of one token and head as loaded (a 16-byte load in T; 8 bytes and the token's
+// scale in int8): kept raw until used, so UNROLL tokens' loads fit in registers together.
+struct Raw8 {
+    uint4 bits;
+    float scale;
+};
+
 template <typename T, int KV_INT8>
-__device__ __forceinline__ void load8(const void* pages, const float* scales, int slot, int D, int offset,
-                                      float (&out)[8]) {
+__device__ __forceinline__ Raw8 load_raw8(const void* pages, const float* scales, int slot, int D, int offset) {
+    Raw8 raw;
     if constexpr (KV_INT8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const signed char*>(pages) +
-                                                          static_cast<long long>(slot) * D + offset);
-        const float scale = scales[slot];
-        const unsigned words[2] = {raw.x, raw.y};
+        const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const signed char*>(pages) +
+                                                        static_cast<long long>(slot) * D + offset);
+        raw.bits = make_uint4(v.x, v.y, 0u, 0u);
+        raw.scale = scales[slot];
+    } else {
+        raw.bits = *reinterpret_cast<const uint4*>(static_cast<const T*>(pages) + static_cast<long long>(slot) * D +
+                                                   offset);
+        raw.scale = 1.0f;
+    }
+    return raw;
+}
+
+template <typename T, int KV_INT8>
+__device__ __forceinline__ void raw8_to_float(const Raw8& raw, float (&out)[8]) {
+    if constexpr (KV_INT8) {
+        const unsigned words[2] = {raw.bits.x, raw.bits.y};
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * scale;
+            out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * raw.scale;
     } else {
-        load8_as_float(static_cast<const T*>(pages) + static_cast<long long>(slot) * D + offset, out);
+        const unsigned words[4] = {raw.bits.x, raw.bits.y, raw.bits.z, raw.bits.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = to_float2(bits_as_vec2<T>(words[i]));
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
     }
 }
 
@@ -67,24 +91,22 @@ __global__ void __launch_bounds__(128) paged_decode(
     // Phase 1: scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
     // UNROLL tokens per thread are loaded before any math, so their latencies overlap.
     for (int base = 0; base < n; base += UNROLL * tokens_per_pass) {
-        float k[UNROLL][8];
+        Raw8 k_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass + sub;
-            if (i < n) {
-                load8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset, k[u]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
-            }
+            if (i < n) k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset);
+            else k_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass + sub;
+            float k[8];
+            raw8_to_float<T, KV_INT8>(k_raw[u], k);
             for (int g = 0; g < G; ++g) {
                 float dot = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[u][e];
+                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
                 for (int width = per_token / 2; width > 0; width >>= 1)
                     dot += __shfl_xor_sync(0xffffffffu, dot, width);
                 if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
@@ -117,21 +139,23 @@ __global__ void __launch_bounds__(128) paged_decode(
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
     for (int base = sub; base < n; base += UNROLL * tokens_per_pass) {
-        float v[UNROLL][8];
+        Raw8 v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            if (base + u * tokens_per_pass < n) load8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D,
-                                                                  offset, v[u]);
+            if (base + u * tokens_per_pass < n)
+                v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D, offset);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass;
             if (i >= n) break;
+            float v[8];
+            raw8_to_float<T, KV_INT8>(v_raw[u], v);
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) {
                 if (g < G) {
                     const float p = scores[g * chunk + i];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[u][e];
+                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
                 }
             }
         }
