@@ -100,12 +100,12 @@ struct Chunk {
 template <int BITS> struct ChunkGroups { static constexpr int count = BITS == 4 || BITS == 8 ? 1 : 2; };
 
 template <int BITS, int R>
-__device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int N, int words, int groups,
-                                           int midpoint, int first_word, bool full, int group0, int group1,
-                                           Chunk<BITS, R>& ch) {
+__device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int row_step, int N, int words,
+                                           int groups, int midpoint, int first_word, bool full, int group0,
+                                           int group1, Chunk<BITS, R>& ch) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, N - 1);
+        const int row = min(row0 + r * row_step, N - 1);
         const unsigned* base = mat.qweight + static_cast<long long>(row) * words + first_word;
         if (full) {
             const uint4 v = load_stream(reinterpret_cast<const uint4*>(base));
@@ -131,10 +131,11 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
+// The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
 template <int BITS, typename T, int MAXM, int R, int KSPLIT>
-__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
-                                         int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
-                                         int part, float (&acc)[R][MAXM]) {
+__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
+                                         int group_shift, int groups, int scale_is_bf16, int midpoint,
+                                         const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int NG = ChunkGroups<BITS>::count;
     constexpr int STRIDE = 32 * KSPLIT;  // the KSPLIT warps of a row group interleave their chunks
@@ -152,7 +153,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
         const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;
-        load_chunk<BITS, R>(mat, row0, N, words, groups, midpoint, first_word, full, group0, group1, ch);
+        load_chunk<BITS, R>(mat, row0, row_step, N, words, groups, midpoint, first_word, full, group0, group1, ch);
     };
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
@@ -182,7 +183,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
                 load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    if (row0 + r < N) {
+                    if (row0 + r * row_step < N) {
                         unsigned high = 0u;
                         if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
                         const int k = NG - 1;  // the second group's index where there is one
@@ -214,7 +215,10 @@ template <int BITS, int MAXM, int R> struct GemvOccupancy {
 // Junction prologue (jx not null): x is not given but computed by every CTA from the residual stream jx and the
 // previous sublayer's output jbranch as the block's residual junction (norm.cuh) into shared memory (dynamic, M * K
 // elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
-template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT>
+// RoPE epilogue (ROPE, one token, the QKV launch): each warp owns the two dims RoPE rotates together (rows
+// p, p + D/2 of a head for rotate_half, 2p, 2p + 1 interleaved) and writes rotated q to q_out and rotated K / V
+// into the token's page slot (16-token pages, T), replacing y and the rope_kv_append kernel.
+template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT, bool ROPE>
 __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
@@ -225,7 +229,9 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
-    float eps, int mode) {
+    float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
+    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
+    static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
     constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
     constexpr int MATS = SWIGLU ? 2 : 1;
@@ -248,15 +254,20 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
         x = staged;
         ldx = K;
     }
-    const int row0 = (block * GROUPS_PER_CTA + row_group) * R;
+    int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
+    if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
+        const int pair = row0 / 2, half = D / 2;
+        row0 = (pair / half) * D + pair % half;
+        row_step = half;
+    }
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, part,
-                                       acc[0]);
+    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
+                                       M, part, acc[0]);
     if constexpr (SWIGLU) {
         const QuantMatrix up{qw1, qh1, sc1, zr1};
-        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M,
-                                           part, acc[1]);
+        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
+                                           ldx, M, part, acc[1]);
     }
     if constexpr (KSPLIT > 1) {
         __shared__ float partial[4][MATS][R][MAXM];
@@ -289,6 +300,37 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
             }
     }
     if (lane != 0) return;
+    if constexpr (ROPE) {
+        // One token: its q / k dims (d0, d1) rotated as rope_kv_append.cu does (fp32, no FMA, from the projection
+        // rounded to T), q into q_out, K / V straight into the token's page slot.
+        const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D, half = D / 2;
+        const int p = layout == 0 ? d0 : d0 / 2;
+        float a = acc[0][0][0], c = acc[0][1][0];
+        if (bias) {
+            a += to_float(bias[row0]);
+            c += to_float(bias[row0 + row_step]);
+        }
+        a = to_float(from_float<T>(a));
+        c = to_float(from_float<T>(c));
+        float out0 = a, out1 = c;
+        if (column < Hq * D + Hkv * D) {  // q or k: rotate
+            const float cs = rope_cos[p], sn = rope_sin[p];
+            out0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+            out1 = __fadd_rn(__fmul_rn(c, cs), __fmul_rn(a, sn));
+        }
+        T* dst;
+        if (column == 0) {
+            dst = q_out + head * D;
+        } else {
+            const int pos = positions[0];
+            const int page = block_table[pos / 16];
+            const long long page_slot = (static_cast<long long>(page) * Hkv + head) * 16 + pos % 16;
+            dst = (column == Hq * D ? k_pages : v_pages) + page_slot * D;
+        }
+        dst[d0] = from_float<T>(out0);
+        dst[d1] = from_float<T>(out1);
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int row = row0 + r;

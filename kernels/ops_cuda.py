@@ -10,6 +10,7 @@ Everything a kernel cannot serve raises CudaPathUnavailable with the reason; not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +43,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
     if not full:
         gemv_variants = [(1, 2, "false", 2), (8, 4, "true", 4)]
     return {
-        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}>" for b in (2, 3, 4, 8) for t in types
-                          for m, r, sw, k in gemv_variants]
+        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}, {rope}>" for b in (2, 3, 4, 8) for t in types
+                          for m, r, sw, k in gemv_variants
+                          for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))]
         + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}>" for b in MMA_BITS for t in types
                               for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
@@ -83,6 +85,7 @@ class _GemvPlan:
     tail: tuple
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
+    rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
     mma_launches: dict[int, tuple[str, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (kernel name, CTAs)
 
 
@@ -133,7 +136,9 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         R = 2 if rows == 1 else 4
         split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in (sizes[:1] if swiglu else sizes)))
         ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
-        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}>", ctas)
+        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}, false>", ctas)
+    rope_name, rope_ctas = launches[1]
+    rope_launch = (rope_name.replace(", false>", ", true>"), rope_ctas)
     mma_launches = None
     if fmt.bits in MMA_BITS and words % 4 == 0:
         ctas = sum(math.ceil(n / 16) for n in (sizes[:1] if swiglu else sizes))
@@ -142,22 +147,34 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         mma_launches = {
             nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}>", ctas) for nt in (1, 2)
         }
-    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, mma_launches)
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
+_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
 
 
-def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, junction: tuple = _NO_JUNCTION) -> torch.Tensor:
+def _gemv(
+    x: torch.Tensor,
+    layers: list[QuantLinear],
+    swiglu: bool,
+    junction: tuple = _NO_JUNCTION,
+    rope: tuple = _NO_ROPE,
+) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
-    ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp)."""
+    ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
+    ``rope``: the RoPE-epilogue arguments of a one-token QKV launch (see _attend), which writes q and the K/V pages
+    instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
     fused = junction is not _NO_JUNCTION
-    y = torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
-    row_bytes, out_bytes = K * x.element_size(), plan.out_features * y.element_size()
+    with_rope = rope is not _NO_ROPE
+    if with_rope and (rows != 1 or swiglu or len(layers) != 3):
+        raise ValueError("the RoPE epilogue serves the QKV projection of one token")
+    y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
+    row_bytes, out_bytes = K * x.element_size(), plan.out_features * x.element_size()
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
@@ -171,9 +188,10 @@ def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool, junction: tu
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         if fused and (start or chunk != rows):
             raise ValueError("the junction prologue serves up to 8 rows in one launch")
+        out = ptr(None) if y is None else np.uint64(y.data_ptr() + start * out_bytes)
         args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail, *junction)  # fmt: skip
-        name, ctas = plan.launches[maxm]
+                plan.tail[0], out, *plan.tail, *junction, *rope)  # fmt: skip
+        name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
         shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared)
     return y
@@ -273,14 +291,14 @@ def junction_mlp(
     """The residual junction after attention and the MLP on its normed output. One decode row with quantized
     gate/up: the junction runs in the prologue of the gate/up GEMV (every CTA normalizes the row into shared
     memory, CTA 0 writes the new residual stream); otherwise the junction kernel, then the MLP."""
-    fused = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode,
-                               [module.gate_proj, module.up_proj], swiglu=True)  # fmt: skip
-    if fused is None:
+    gate_up = [module.gate_proj, module.up_proj]
+    prologue = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode, gate_up)
+    if prologue is None:
         total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
         return total, mlp(module, normed)
-    total, activated = fused
-    out = project(activated, [module.down_proj])
-    return total, out.view(*x.shape[:-1], -1)
+    rows, total, junction = prologue
+    activated = _gemv(rows, gate_up, swiglu=True, junction=junction)
+    return total, project(activated, [module.down_proj]).view(*x.shape[:-1], -1)
 
 
 def _junction_prologue(
@@ -291,10 +309,10 @@ def _junction_prologue(
     eps: float,
     mode: str,
     layers: list[Any],
-    swiglu: bool,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(new residual stream, projection of its normed row) from one GEMV launch with the junction in its prologue,
-    or None where that launch cannot serve the step (several rows, unquantized layers, hidden too large)."""
+) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
+    """(x's rows, the new residual stream to be written, gemv_quant junction arguments) for a GEMV launch over
+    ``layers`` with the junction in its prologue, or None where that launch cannot serve the step (several rows,
+    unquantized layers, hidden too large)."""
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
     fusable = (
@@ -307,10 +325,10 @@ def _junction_prologue(
         return None
     _check(x, "the residual stream")
     rows, branch = rows.contiguous(), branch.reshape(-1, hidden).contiguous()
-    total = torch.empty_like(rows)
+    total = torch.empty_like(x)
     junction = (ptr(rows), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), f32(eps),
                 i32(JUNCTION_MODES[mode]))  # fmt: skip
-    return total.view(x.shape), _gemv(rows, layers, swiglu=swiglu, junction=junction)
+    return rows, total, junction
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,8 +385,16 @@ def residual_norm(
 @register_op("self_attention", CUDA)
 def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
     batch, steps, _ = x.shape
-    qkv = project(x.reshape(batch * steps, -1), [module.q_proj, module.k_proj, module.v_proj])
-    return _attend(module, qkv, batch, steps, context, slot)
+    rows = x.reshape(batch * steps, -1).contiguous()
+    layers = [module.q_proj, module.k_proj, module.v_proj]
+    # One row through the CUDA-core GEMV can take the RoPE epilogue.
+    one_gemv = rows.shape[0] == 1 and all(isinstance(layer, QuantLinear) for layer in layers)
+    one_gemv = one_gemv and rows.data_ptr() % 16 == 0
+
+    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
+        return project(rows, layers) if rope is None else _gemv(rows, layers, swiglu=False, rope=rope)
+
+    return _attend(module, qkv_projection, one_gemv, batch, steps, context, slot)
 
 
 @register_op("junction_attention", CUDA)
@@ -384,33 +410,43 @@ def junction_attention(
     slot: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The previous block's last junction and this block's attention on its normed output. One decode row with
-    quantized projections: the junction runs in the prologue of the QKV GEMV; otherwise the junction kernel, then
-    attention."""
-    batch, steps, hidden = x.shape
-    fused = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode,
-                               [module.q_proj, module.k_proj, module.v_proj], swiglu=False)  # fmt: skip
-    if fused is None:
+    quantized projections: the junction runs in the prologue of the QKV GEMV (and RoPE + KV append in its
+    epilogue where the cache allows); otherwise the junction kernel, then attention."""
+    batch, steps, _ = x.shape
+    layers = [module.q_proj, module.k_proj, module.v_proj]
+    prologue = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode, layers)
+    if prologue is None:
         total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
         return total, self_attention(module, normed, context, slot)
-    total, qkv = fused
-    return total, _attend(module, qkv, batch, steps, context, slot)
+    rows, total, junction = prologue
+
+    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
+        return _gemv(rows, layers, swiglu=False, junction=junction, rope=_NO_ROPE if rope is None else rope)
+
+    return total, _attend(module, qkv_projection, True, batch, steps, context, slot)
 
 
-def _attend(module: Any, qkv: torch.Tensor, batch: int, steps: int, context: Any, slot: int) -> torch.Tensor:
-    """Attention from the fused QKV projection [batch * steps, (Hq + 2 Hkv) * D], through the output projection."""
+def _attend(
+    module: Any,
+    qkv_projection: Callable[[tuple | None], torch.Tensor | None],
+    one_gemv: bool,
+    batch: int,
+    steps: int,
+    context: Any,
+    slot: int,
+) -> torch.Tensor:
+    """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
+    [batch * steps, (Hq + 2 Hkv) * D]; when ``one_gemv`` (one token, one CUDA-core GEMV launch) and the cache
+    holds 16-bit K/V, ``qkv_projection(rope_arguments)`` instead writes rotated q and the token's K/V pages itself
+    (RoPE epilogue), and the rope_kv_append kernel is skipped."""
     config = module.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
-    dtype, device = qkv.dtype, qkv.device
     cache = context.cache
     if cache is not None and not isinstance(cache, PagedTinyLoopCache):
         raise CudaPathUnavailable(
             "the CUDA path keeps K/V in a paged cache: pass PagedTinyLoopCache (model.new_cache() makes one) "
             "or let generate() create it"
         )
-    query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
-    contiguous = steps > 1 or cache is None
-    key = torch.empty(batch * steps, kv_heads, dim, dtype=dtype, device=device) if contiguous else None
-    value = torch.empty_like(key) if contiguous else None
     storage = cache.storage if cache is not None else None
     if cache is not None:
         cache.mark_written(slot)
@@ -419,14 +455,31 @@ def _attend(module: Any, qkv: torch.Tensor, batch: int, steps: int, context: Any
     table = storage.block_table if storage is not None else None
     positions = cache.step_positions if cache is not None else None
     cos, sin = context.cos.contiguous(), context.sin.contiguous()
-    warps = batch * steps * (heads + 2 * kv_heads)
     layout = 0 if config.rope_layout == "rotate_half" else 1
-    args = (
-        *map(ptr, (qkv, cos, sin, query, pages[0], pages[1], scales[0], scales[1], table, positions, key, value)),
-        *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
-        i32(int(scales[0] is not None)),
-    )
-    launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args)
+    epilogue = one_gemv and steps == 1 and storage is not None and not storage.int8 and dim % 2 == 0
+    if epilogue:
+        dtype, device = pages[0].dtype, pages[0].device
+        query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
+        rope = (*map(ptr, (cos, sin, query, pages[0], pages[1], table, positions)),
+                *map(i32, (table.shape[1], heads, kv_heads, dim, layout)))  # fmt: skip
+        qkv_projection(rope)
+        key = value = None
+    else:
+        qkv = qkv_projection(None)
+        dtype, device = qkv.dtype, qkv.device
+        query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
+        contiguous = steps > 1 or cache is None
+        key = torch.empty(batch * steps, kv_heads, dim, dtype=dtype, device=device) if contiguous else None
+        value = torch.empty_like(key) if contiguous else None
+        warps = batch * steps * (heads + 2 * kv_heads)
+        args = (
+            *map(ptr, (qkv, cos, sin, query, pages[0], pages[1], scales[0], scales[1], table, positions, key, value)),
+            *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
+            i32(int(scales[0] is not None)),
+        )
+        launch(
+            kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args
+        )
 
     if steps == 1 and cache is not None:
         out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)

@@ -87,28 +87,32 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     names = [name for _, name, *_ in launches]
     kernels = [n.split("<")[0] for n in names]
     # A loop: the first block's input norm, then per block QKV (from the second block on with the previous block's
-    # last junction in its prologue), RoPE + append, attention (split-KV partials merged inside paged_decode), O,
-    # gate/up (with the junction after attention in its prologue), down; the last block's junction; Ouro's norm.
-    block = ["gemv_quant", "rope_kv_append", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
+    # last junction in its prologue; RoPE + KV append in its epilogue), attention (split-KV partials merged inside
+    # paged_decode), O, gate/up (with the junction after attention in its prologue), down; the last block's
+    # junction; Ouro's norm.
+    block = ["gemv_quant", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
     loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
-    second_qkv = launches[1 + len(block)][3]
-    assert all(int(a) != 0 for a in second_qkv[-7:-2]) and int(second_qkv[-1]) == 1  # junction, sandwich mode
-    per_layer = names[: 1 + len(block)]
-    gate_up = per_layer[-2]
-    assert ", true, " in gate_up and ", true, " not in per_layer[1]  # SwiGLU fused into gate/up
-    gate_up_launch = launches[len(per_layer) - 2]
-    junction = gate_up_launch[3][-7:]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode
-    assert all(int(p) != 0 for p in junction[:5]) and int(junction[6]) == 1  # Ouro: sandwich junction
-    assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
-    assert all(int(a) == 0 for a in launches[1][3][-7:-2])  # the first block's QKV launch has no junction
-    layer_launches = launches[: len(per_layer)]
-    qkv = layer_launches[1][3]
+    junction_of = lambda launch: launch[3][-19:-12]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
+    rope_of = lambda launch: launch[3][-12:]  # cos, sin, q, K/V pages, table, positions, widths, layout  # noqa: E731
+    first_qkv, second_qkv = launches[1], launches[1 + len(block)]
+    assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
+    assert all(int(a) != 0 for a in junction_of(second_qkv)[:5]) and int(junction_of(second_qkv)[6]) == 1  # sandwich
+    for qkv_launch in (first_qkv, second_qkv):
+        assert qkv_launch[1].endswith(", true>")  # the RoPE epilogue
+        rope = rope_of(qkv_launch)
+        assert all(int(a) != 0 for a in rope[:7])
+        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]  # rotate_half
+        page_pointers = {t.data_ptr() for pages in cache.storage.pages.values() for t in pages[:2]}
+        assert {int(rope[3]), int(rope[4])} <= page_pointers and int(rope[3]) != int(rope[4])
+    qkv = first_qkv[3]
     assert [int(qkv[8]), int(qkv[14]), int(qkv[20])] == [heads * dim, kv_heads * dim, kv_heads * dim]  # N0, N1, N2
-    rope = layer_launches[2][3]
-    assert all(int(rope[i]) != 0 for i in (0, 1, 2, 3, 4, 5, 8, 9))  # qkv, cos, sin, q, K/V pages, table, positions
-    assert layer_launches[3][2] == (kv_heads, 1, splits)  # paged decode grid
-    assert int(layer_launches[3][3][11]) == cache.storage.split_counters.data_ptr()
+    gate_up_launch = launches[4]
+    assert ", true, " in gate_up_launch[1] and ", true, " not in first_qkv[1]  # SwiGLU fused into gate/up
+    assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
+    assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
+    assert launches[2][2] == (kv_heads, 1, splits)  # paged decode grid
+    assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
 

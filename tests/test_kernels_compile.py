@@ -29,5 +29,5 @@ def test_kernel_sources_compile(file):
 
 
 def test_a_broken_instantiation_fails_with_the_compiler_log():
-    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1>"])
+    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1, false>"])
     assert status != 0 and "error" in log

@@ -182,8 +182,8 @@ def test_sampling_kernel_greedy_and_gumbel():
 
 
 def test_compile_error_names_the_kernel():
-    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1>.*\n"):
-        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1>")
+    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1, false>.*\n"):
+        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1, false>")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
