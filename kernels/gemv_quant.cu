@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     if constexpr (ROPE) {
         // One token: its q / k dims (d0, d1) rotated as rope_kv_append.cu does (fp32, no FMA, from the projection
         // rounded to T), q into q_out, K / V straight into the token's page slot.
-        const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D, half = D / 2;
+        const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D;
         const int p = layout == 0 ? d0 : d0 / 2;
         float a = acc[0][0][0], c = acc[0][1][0];
         if (bias) {
