@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinyloop_hf.ops_tinyloop import REFERENCE, get_op, register_op
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
 from tinyloop_hf.paged_cache import PAGE_SIZE, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
@@ -279,40 +279,25 @@ JUNCTION_PROLOGUE_MAX_HIDDEN = 8 * 4 * _THREADS  # norm.cuh: 8 values x MAX_VECS
 
 
 @register_op("junction_mlp", CUDA)
-def junction_mlp(
-    module: Any,
-    x: torch.Tensor,
-    branch: torch.Tensor,
-    branch_weight: torch.Tensor | None,
-    next_weight: torch.Tensor,
-    eps: float,
-    mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual junction after attention and the MLP on its normed output. One decode row with quantized
     gate/up: the junction runs in the prologue of the gate/up GEMV (every CTA normalizes the row into shared
     memory, CTA 0 writes the new residual stream); otherwise the junction kernel, then the MLP."""
     gate_up = [module.gate_proj, module.up_proj]
-    prologue = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode, gate_up)
+    prologue = _junction_prologue(junction, gate_up)
     if prologue is None:
-        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
+        total, normed = residual_norm(*junction.residual_norm_args())
         return total, mlp(module, normed)
-    rows, total, junction = prologue
-    activated = _gemv(rows, gate_up, swiglu=True, junction=junction)
-    return total, project(activated, [module.down_proj]).view(*x.shape[:-1], -1)
+    rows, total, arguments = prologue
+    activated = _gemv(rows, gate_up, swiglu=True, junction=arguments)
+    return total, project(activated, [module.down_proj]).view(*junction.x.shape[:-1], -1)
 
 
-def _junction_prologue(
-    x: torch.Tensor,
-    branch: torch.Tensor,
-    branch_weight: torch.Tensor | None,
-    next_weight: torch.Tensor,
-    eps: float,
-    mode: str,
-    layers: list[Any],
-) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
+def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
     """(x's rows, the new residual stream to be written, gemv_quant junction arguments) for a GEMV launch over
     ``layers`` with the junction in its prologue, or None where that launch cannot serve the step (several rows,
     unquantized layers, hidden too large)."""
+    x = junction.x
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
     fusable = (
@@ -324,11 +309,11 @@ def _junction_prologue(
     if not fusable:
         return None
     _check(x, "the residual stream")
-    rows, branch = rows.contiguous(), branch.reshape(-1, hidden).contiguous()
+    rows, branch = rows.contiguous(), junction.branch.reshape(-1, hidden).contiguous()
     total = torch.empty_like(x)
-    junction = (ptr(rows), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), f32(eps),
-                i32(JUNCTION_MODES[mode]))  # fmt: skip
-    return rows, total, junction
+    arguments = (ptr(rows), ptr(branch), ptr(junction.branch_weight), ptr(junction.next_weight), ptr(total),
+                 f32(junction.eps), i32(JUNCTION_MODES[junction.mode]))  # fmt: skip
+    return rows, total, arguments
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -398,30 +383,20 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
 
 
 @register_op("junction_attention", CUDA)
-def junction_attention(
-    module: Any,
-    x: torch.Tensor,
-    branch: torch.Tensor,
-    branch_weight: torch.Tensor | None,
-    next_weight: torch.Tensor,
-    eps: float,
-    mode: str,
-    context: Any,
-    slot: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def junction_attention(module: Any, junction: Junction, context: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The previous block's last junction and this block's attention on its normed output. One decode row with
     quantized projections: the junction runs in the prologue of the QKV GEMV (and RoPE + KV append in its
     epilogue where the cache allows); otherwise the junction kernel, then attention."""
-    batch, steps, _ = x.shape
+    batch, steps, _ = junction.x.shape
     layers = [module.q_proj, module.k_proj, module.v_proj]
-    prologue = _junction_prologue(x, branch, branch_weight, next_weight, eps, mode, layers)
+    prologue = _junction_prologue(junction, layers)
     if prologue is None:
-        total, normed = residual_norm(x, branch, branch_weight, next_weight, eps, mode)
+        total, normed = residual_norm(*junction.residual_norm_args())
         return total, self_attention(module, normed, context, slot)
-    rows, total, junction = prologue
+    rows, total, arguments = prologue
 
     def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
-        return _gemv(rows, layers, swiglu=False, junction=junction, rope=_NO_ROPE if rope is None else rope)
+        return _gemv(rows, layers, swiglu=False, junction=arguments, rope=_NO_ROPE if rope is None else rope)
 
     return total, _attend(module, qkv_projection, True, batch, steps, context, slot)
 

@@ -23,7 +23,7 @@ from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import exit_distribution, select_states, threshold_exit_steps
-from .ops_tinyloop import REFERENCE, get_op, register_op, rope_angles
+from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
 from .quant_tinyloop import packed_shape_errors
 
 LoopCount = int | Sequence[int] | torch.Tensor
@@ -175,23 +175,16 @@ class TinyLoopBlock(nn.Module):
         ``defer`` the block returns its residual stream before that junction and the junction's branch, and the
         next block, given them as (x, ``deferred``), runs that junction together with its own input norm and
         attention (one op, which the CUDA path fuses into the QKV projection)."""
+        eps, mode = self.input_layernorm.eps, self.block_norm
         if deferred is None:
             attn = self.self_attn(self.input_layernorm(x), context, slot)
         else:
-            x, attn = get_op("junction_attention", self.op_backend)(
-                self.self_attn, x, deferred.branch, deferred.branch_weight, self.input_layernorm.weight,
-                self.input_layernorm.eps, self.block_norm, context, slot,
-            )  # fmt: skip
+            junction = Junction(x, deferred.branch, deferred.branch_weight, self.input_layernorm.weight, eps, mode)
+            x, attn = get_op("junction_attention", self.op_backend)(self.self_attn, junction, context, slot)
         branch_norm = getattr(self, "input_layernorm_2", None)
-        x, mlp = get_op("junction_mlp", self.op_backend)(
-            self.mlp,
-            x,
-            attn,
-            branch_norm.weight if branch_norm is not None else None,
-            self.post_attention_layernorm.weight,
-            self.input_layernorm.eps,
-            self.block_norm,
-        )
+        branch_weight = branch_norm.weight if branch_norm is not None else None
+        junction = Junction(x, attn, branch_weight, self.post_attention_layernorm.weight, eps, mode)
+        x, mlp = get_op("junction_mlp", self.op_backend)(self.mlp, junction)
         last_norm = getattr(self, "post_attention_layernorm_2", None)
         if defer:
             return x, DeferredJunction(mlp, last_norm.weight if last_norm is not None else None)
@@ -235,35 +228,19 @@ def reference_residual_norm(
 
 @register_op("junction_attention", REFERENCE)
 def reference_junction_attention(
-    module: TinyLoopAttention,
-    x: torch.Tensor,
-    branch: torch.Tensor,
-    branch_weight: torch.Tensor | None,
-    next_weight: torch.Tensor,
-    eps: float,
-    mode: str,
-    context: _ForwardContext,
-    slot: int,
+    module: TinyLoopAttention, junction: Junction, context: _ForwardContext, slot: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The previous block's last junction and attention on its normed output, as one op so that a backend may fuse
     the junction into the QKV projection: (new residual stream, attention output)."""
-    total, normed = get_op("residual_norm", REFERENCE)(x, branch, branch_weight, next_weight, eps, mode)
+    total, normed = get_op("residual_norm", REFERENCE)(*junction.residual_norm_args())
     return total, module(normed, context, slot)
 
 
 @register_op("junction_mlp", REFERENCE)
-def reference_junction_mlp(
-    module: TinyLoopMLP,
-    x: torch.Tensor,
-    branch: torch.Tensor,
-    branch_weight: torch.Tensor | None,
-    next_weight: torch.Tensor,
-    eps: float,
-    mode: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_junction_mlp(module: TinyLoopMLP, junction: Junction) -> tuple[torch.Tensor, torch.Tensor]:
     """The junction after attention and the MLP on its normed output, as one op so that a backend may fuse the
     junction into the MLP's first projection: (new residual stream, MLP output)."""
-    total, normed = get_op("residual_norm", REFERENCE)(x, branch, branch_weight, next_weight, eps, mode)
+    total, normed = get_op("residual_norm", REFERENCE)(*junction.residual_norm_args())
     return total, module(normed)
 
 

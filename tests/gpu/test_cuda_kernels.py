@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from helpers import tiny_model
 from tinyloop_hf import QuantFormat, QuantLinear, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
-from tinyloop_hf.ops_tinyloop import REFERENCE, get_op
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op
 from tinyloop_hf.quant_tinyloop import quantize_rtn
 
 pytestmark = pytest.mark.gpu
@@ -197,14 +197,14 @@ def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode):
     branch_norm = getattr(block, "input_layernorm_2", None)
     for rows in (1, 3):  # one decode row: junction in the gate/up GEMV prologue; more: junction kernel + MLP
         x, branch = (torch.randn(rows, 1, 512, device="cuda", dtype=dtype) for _ in range(2))
-        args = (x, branch, branch_norm.weight if branch_norm is not None else None,
-                block.post_attention_layernorm.weight, 1e-6, mode)  # fmt: skip
+        junction = Junction(x, branch, branch_norm.weight if branch_norm is not None else None,
+                            block.post_attention_layernorm.weight, 1e-6, mode)  # fmt: skip
         model.set_op_backend(REFERENCE)
-        want_total, want_out = get_op("junction_mlp", REFERENCE)(block.mlp, *args)
+        want_total, want_out = get_op("junction_mlp", REFERENCE)(block.mlp, junction)
         model.set_op_backend("cuda")
-        total, out = get_op("junction_mlp", "cuda")(block.mlp, *args)
+        total, out = get_op("junction_mlp", "cuda")(block.mlp, junction)
         assert total.shape == want_total.shape and out.shape == want_out.shape
         assert _relative_error(total, want_total) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), rows
         assert _relative_error(out, want_out) <= 3e-2, rows
-        unfused_total, _ = ops_cuda.residual_norm(*args)
+        unfused_total, _ = ops_cuda.residual_norm(*junction.residual_norm_args())
         assert _relative_error(total, unfused_total) <= 1e-2, rows
