@@ -456,8 +456,10 @@ def _attend(
             kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args
         )
 
-    if steps == 1 and cache is not None:
-        out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
+    # Decode, and short continuations of a cached sequence (e.g. a speculative verify): paged attention in place.
+    continuation = cache is not None and cache.length > 0 and heads // kv_heads * steps <= PAGED_MAX_VECTORS
+    if cache is not None and (steps == 1 or (continuation and dim in PAGED_DIMS)):
+        out = paged_decode(query, cache, pages, module.scaling, new_tokens=steps)
     else:
         q = query.view(batch, steps, heads, dim).transpose(1, 2)
         if cache is None or cache.length == 0:
@@ -488,34 +490,42 @@ def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: 
     return math.ceil(capacity / chunk), chunk
 
 
-def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float) -> torch.Tensor:
-    """query [B, Hq, D] (one new token per row, already in the cache) -> attention output [B, Hq * D]."""
+PAGED_DIMS = (16, 32, 64, 128, 256)
+PAGED_MAX_VECTORS = 8  # query vectors (heads of a KV group x new tokens) one paged-attention CTA serves
+
+
+def paged_decode(
+    query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float, new_tokens: int = 1
+) -> torch.Tensor:
+    """query [B * Q, Hq, D] (Q = ``new_tokens`` per row, already in the cache; causal among themselves) ->
+    attention output [B * Q, Hq * D]."""
     storage = cache.storage
-    batch, heads, dim = query.shape
+    rows, heads, dim = query.shape
+    batch = rows // new_tokens
     kv_heads = storage.kv_heads
-    group = heads // kv_heads
-    if group > 8 or dim not in (16, 32, 64, 128, 256):
+    vectors = heads // kv_heads * new_tokens
+    if vectors > PAGED_MAX_VECTORS or dim not in PAGED_DIMS:
         raise CudaPathUnavailable(
-            f"paged decode supports up to 8 query heads per KV head and head_dim in (16, 32, 64, 128, 256), "
-            f"got {group} and {dim}"
+            f"paged attention serves up to {PAGED_MAX_VECTORS} query vectors (query heads per KV head x new "
+            f"tokens) and head_dim in {PAGED_DIMS}, got {vectors} and {dim}"
         )
-    splits, chunk = decode_partition(batch, kv_heads, group, dim, storage.capacity)
-    out = torch.empty(batch, heads, dim, dtype=query.dtype, device=query.device)
+    splits, chunk = decode_partition(batch, kv_heads, vectors, dim, storage.capacity)
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
     partial_o = partial_ml = None
     if splits > 1:
-        partial_o = torch.empty(batch * heads * splits * dim, dtype=torch.float32, device=query.device)
-        partial_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=query.device)
+        partial_o = torch.empty(rows * heads * splits * dim, dtype=torch.float32, device=query.device)
+        partial_ml = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=query.device)
     int8 = storage.int8
     type_name = cuda_type(query.dtype)
     args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
             ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads), i32(dim),
-            i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
-    smem = 4 * _decode_shared_floats(group, dim, chunk)
-    max_group = next(g for g in (1, 2, 4, 8) if g >= group)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_group}>"
+            i32(new_tokens), i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
+    smem = 4 * _decode_shared_floats(vectors, dim, chunk)
+    max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
-    return out.view(batch, heads * dim)
+    return out.view(rows, heads * dim)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

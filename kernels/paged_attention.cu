@@ -1,10 +1,11 @@
-// Paged attention for decode (one query token per row) with split-KV and a log-sum-exp merge.
+// Paged attention for decode (Q new query tokens per row, Q = 1 for plain decode; Q > 1 for a short continuation
+// such as a speculative verify, causal among the new tokens) with split-KV and a log-sum-exp merge.
 //
 // Pages: K/V [blocks, Hkv, 16, D] in T, or int8 with fp32 scales [blocks, Hkv, 16] (one per token and KV head).
-// block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new one; starts[b] = first valid
+// block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new ones; starts[b] = first valid
 // position (left padding before it is never attended). All of these live in device memory, so a captured CUDA
-// graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head (GQA
-// groups of up to 8 read each K/V byte once). Scores use exp2 with q pre-scaled by softmax_scale * log2(e).
+// graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head for every
+// new token (G * Q <= 8 query vectors read each K/V byte once). q and out: [B * Q, Hq, D]. Scores use exp2 with q pre-scaled by softmax_scale * log2(e).
 // One split writes the output directly; several write fp32 partials (o, m, l) and the last split of a (row, KV
 // head) to finish — counted in split_counters, which it resets for the next launch — merges them.
 #include "common.cuh"
@@ -55,33 +56,33 @@ __device__ __forceinline__ void raw8_to_float(const Raw8& raw, float (&out)[8]) 
 
 // A token is served by D/8 consecutive threads (8 elements each), so a CTA of 128 threads works on 1024/D tokens
 // at once and every load of a pass is independent (page slots are looked up once, into shared memory).
-// MAX_GROUP (1, 2, 4 or 8) bounds the query heads per KV head: the V accumulators take 8 * MAX_GROUP registers,
-// so MHA models (1) keep occupancy high.
+// MAX_GROUP (1, 2, 4 or 8) bounds the query vectors per CTA (G * Q): the V accumulators take 8 * MAX_GROUP
+// registers, so MHA decode (1) keeps occupancy high.
 template <typename T, int KV_INT8, int MAX_GROUP>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int D, int max_blocks, int chunk, float scale_log2) {
+    int Hq, int Hkv, int D, int Q, int max_blocks, int chunk, float scale_log2) {
     extern __shared__ float smem[];
-    const int G = Hq / Hkv;
+    // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
+    const int G = Hq / Hkv, V = G * Q;
     const int per_token = D / 8, tokens_per_pass = blockDim.x / per_token;
-    float* q_s = smem;                                    // [G][D]
-    float* scores = q_s + G * D;                          // [G][chunk]
-    float* stats = scores + G * chunk;                    // [G][2]: max, sum
-    float* partial = stats + 2 * G;                       // [tokens_per_pass][G][D]
-    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * G * D);  // [chunk]
+    float* q_s = smem;                                    // [V][D]
+    float* scores = q_s + V * D;                          // [V][chunk]
+    float* stats = scores + V * chunk;                    // [V][2]: max, sum
+    float* partial = stats + 2 * V;                       // [tokens_per_pass][V][D]
+    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * V * D);  // [chunk]
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int length = lengths[b], start = starts[b];
+    // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
+    auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
     // The tokens are spread over all splits whatever the length (the grid is fixed per cache capacity, so that
     // a captured graph serves every step): span <= chunk, the shared-memory stride, since length <= capacity.
     const int span = (length + splits - 1) / splits;
     const int t0 = split * span, n = max(0, min(length, t0 + span) - t0);
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        q_s[i] = to_float(q[(static_cast<long long>(b) * Hq + kv_head * G + g) * D + d]) * scale_log2;
-    }
+    for (int i = threadIdx.x; i < V * D; i += blockDim.x) q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int t = t0 + i;
         slots[i] = (block_table[b * max_blocks + t / PAGE] * Hkv + kv_head) * PAGE + t % PAGE;
@@ -103,19 +104,21 @@ __global__ void __launch_bounds__(128) paged_decode(
             const int i = base + u * tokens_per_pass + sub;
             float k[8];
             raw8_to_float<T, KV_INT8>(k_raw[u], k);
-            for (int g = 0; g < G; ++g) {
+            for (int g = 0; g < V; ++g) {
                 float dot = 0.0f;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
                 for (int width = per_token / 2; width > 0; width >>= 1)
                     dot += __shfl_xor_sync(0xffffffffu, dot, width);
-                if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
+                // Outside [start, the query token's own position]: left padding, or (Q > 1) a later new token.
+                const int t = t0 + i, last = length - Q + g / G;
+                if (offset == 0 && i < n) scores[g * chunk + i] = t < start || t > last ? -TL_INF : dot;
             }
         }
     }
     __syncthreads();
     // Phase 2: per head, max and sum of exp2; scores become unnormalized probabilities.
-    for (int g = warp; g < G; g += warps) {
+    for (int g = warp; g < V; g += warps) {
         float m = -TL_INF;
         for (int i = lane; i < n; i += 32) m = fmaxf(m, scores[g * chunk + i]);
         m = warp_max(m);
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(128) paged_decode(
             raw8_to_float<T, KV_INT8>(v_raw[u], v);
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g < G) {
+                if (g < V) {
                     const float p = scores[g * chunk + i];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
@@ -162,15 +165,15 @@ __global__ void __launch_bounds__(128) paged_decode(
     }
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < G)
+        if (g < V)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) partial[(sub * G + g) * D + offset + e] = acc[g][e];
+            for (int e = 0; e < 8; ++e) partial[(sub * V + g) * D + offset + e] = acc[g][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
         float o = 0.0f;
-        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * G + g) * D + d];
-        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * V + g) * D + d];
+        const long long row = row_of(g);
         if (splits == 1) {
             out[row * D + d] = from_float<T>(o / stats[2 * g + 1]);
         } else {
@@ -197,9 +200,9 @@ __global__ void __launch_bounds__(128) paged_decode(
     // Per head, the splits' weights 2^(m_i - M) / L go to shared memory (warp per head, lanes over splits; the
     // scores buffer is free now), then every output element sums its splits with their loads in flight together.
     // Partials are read through L2 (__ldcg): other CTAs wrote them.
-    float* weights = scores;  // [G][splits] (splits <= chunk)
-    for (int g = warp; g < G; g += warps) {
-        const float* ml = part_ml + (static_cast<long long>(b) * Hq + kv_head * G + g) * splits * 2;
+    float* weights = scores;  // [V][splits] (splits <= chunk)
+    for (int g = warp; g < V; g += warps) {
+        const float* ml = part_ml + row_of(g) * splits * 2;
         float m = -TL_INF;
         for (int i = lane; i < splits; i += 32) m = fmaxf(m, __ldcg(ml + 2 * i));
         m = warp_max(m);
@@ -214,9 +217,9 @@ __global__ void __launch_bounds__(128) paged_decode(
         for (int i = lane; i < splits; i += 32) weights[g * splits + i] /= l;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
-        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        const long long row = row_of(g);
         float o = 0.0f;
 #pragma unroll 8
         for (int i = 0; i < splits; ++i) {

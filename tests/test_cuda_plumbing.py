@@ -60,13 +60,15 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
     for batch in (1, 2):  # decode: one row through the CUDA-core GEMV, two through the tensor-core kernel
         cache = PagedTinyLoopCache(model.config, capacity=64)
         ids = torch.randint(1, 256, (batch, 44))
-        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (gathered K/V)
+        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (paged attention, Q = 3)
             model(ids[:, :40], past_key_values=cache, use_cache=True)
             model(ids[:, 40:41], past_key_values=cache, use_cache=True)
             model(ids[:, 41:], past_key_values=cache, use_cache=True)
     kernels = {name.split("<")[0] for _, name, *_ in launches}
     expected = {"dequantize_weight", "gemv_quant", "gemm_quant_mma", "paged_decode", "rope_kv_append", "residual_norm"}
     assert expected <= kernels
+    new_tokens = {int(args[15]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
+    assert new_tokens == {1, 3}  # decode, and the 3-token continuation read from the pages
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
         assert len(args) == declared_parameters(file, kernel), name

@@ -135,9 +135,11 @@ class _Cache:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(
-    "batch,kv_heads,group,dim,capacity", [(1, 16, 1, 128, 2048), (3, 2, 4, 64, 300), (2, 1, 8, 128, 64)]
-)
-def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity):
+    "batch,kv_heads,group,dim,capacity,new_tokens",
+    [(1, 16, 1, 128, 2048, 1), (3, 2, 4, 64, 300, 1), (2, 1, 8, 128, 64, 1), (1, 16, 1, 128, 2048, 3),
+     (3, 2, 2, 64, 300, 4)],
+)  # fmt: skip
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens):
     from tinyloop_hf.paged_cache import PAGE_SIZE
 
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
@@ -145,13 +147,17 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
     storage.lengths.copy_(lengths)
     storage.starts.copy_(starts)
-    query = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=dtype)
+    # Q new tokens per row (the last Q positions), each attending causally: [B * Q, Hq, D].
+    query = torch.randn(batch * new_tokens, kv_heads * group, dim, device="cuda", dtype=dtype)
     scale = dim**-0.5
-    out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim)
-    assert ops_cuda.decode_partition(batch, kv_heads, group, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
+    out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
+    out = out.view(batch, new_tokens, -1, dim)
+    vectors = group * new_tokens
+    assert ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
     # The last split of each (row, KV head) merges and resets its counter: a second launch gives the same output.
     assert not storage.split_counters.any()
-    assert torch.equal(ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim), out)
+    again = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
+    assert torch.equal(again.view(batch, new_tokens, -1, dim), out)
     for b in range(batch):
         length, start = int(lengths[b]), int(starts[b])
         blocks = storage.block_table[b, : math.ceil(length / PAGE_SIZE)].long()
@@ -160,11 +166,14 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
             paged = pages[index][blocks].float()
             if int8:
                 paged = paged * pages[index + 2][blocks][..., None]
-            kv.append(paged.permute(1, 0, 2, 3).flatten(1, 2)[:, start:length])  # [Hkv, T, D]
-        k, v = (t.repeat_interleave(group, 0) for t in kv)
-        weights = torch.softmax((query[b].float()[:, None] @ k.transpose(1, 2)) * scale, dim=-1)
-        expected = (weights @ v)[:, 0]
-        assert _relative_error(out[b], expected) <= 1e-2
+            kv.append(paged.permute(1, 0, 2, 3).flatten(1, 2))  # [Hkv, T, D]
+        for j in range(new_tokens):
+            last = length - new_tokens + j  # this token's own position
+            k, v = (t[:, start : last + 1].repeat_interleave(group, 0) for t in kv)
+            q = query.view(batch, new_tokens, -1, dim)[b, j].float()
+            weights = torch.softmax((q[:, None] @ k.transpose(1, 2)) * scale, dim=-1)
+            expected = (weights @ v)[:, 0]
+            assert _relative_error(out[b, j], expected) <= 1e-2, (b, j)
 
 
 def test_sampling_kernel_greedy_and_gumbel():
