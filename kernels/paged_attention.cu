@@ -5,7 +5,8 @@
 // block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new ones; starts[b] = first valid
 // position (left padding before it is never attended). All of these live in device memory, so a captured CUDA
 // graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head for every
-// new token (G * Q <= 8 query vectors read each K/V byte once). q and out: [B * Q, Hq, D]. Scores use exp2 with q pre-scaled by softmax_scale * log2(e).
+// new token (G * Q <= 8 query vectors read each K/V byte once). q and out: [B * Q, Hq, D]. Scores use exp2 with q
+// pre-scaled by softmax_scale * log2(e).
 // One split writes the output directly; several write fp32 partials (o, m, l) and the last split of a (row, KV
 // head) to finish — counted in split_counters, which it resets for the next launch — merges them.
 #include "common.cuh"
