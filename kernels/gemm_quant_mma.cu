@@ -168,6 +168,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
+    pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const ProjectionSlot<T> slot =
         select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
@@ -200,6 +201,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
         }
     };
     if (warp * 16 < words) load_step(warp * 16);
+    pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
     for (int first = warp * 16; first < words; first += 16 * MMA_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out

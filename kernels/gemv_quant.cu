@@ -157,6 +157,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     };
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
+    pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
     for (int c = lane; c < total; c += STRIDE) {
         const Chunk<BITS, R> cur = next;
         if (c + STRIDE < total) load(c + STRIDE, next);
@@ -232,6 +233,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
     const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
     static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
+    pdl_trigger();
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
     constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
     constexpr int MATS = SWIGLU ? 2 : 1;
@@ -244,6 +246,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
     if (jx != nullptr) {
+        pdl_wait();  // the junction reads the previous kernels' outputs
         extern __shared__ __align__(16) unsigned char staged_bytes[];
         T* staged = reinterpret_cast<T*>(staged_bytes);
         for (int m = 0; m < M; ++m)

@@ -181,7 +181,7 @@ def _gemv(
             args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
                     plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
             name, ctas = plan.mma_launches[1 if chunk <= 8 else 2]
-            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args)
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
@@ -193,7 +193,7 @@ def _gemv(
                 plan.tail[0], out, *plan.tail, *junction, *rope)  # fmt: skip
         name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
         shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
-        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared)
+        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
 
 

@@ -40,7 +40,9 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
     monkeypatch.setattr(
-        ops_cuda, "launch", lambda fn, grid, block, args, shared_mem=0: recorded.append((*fn, grid, args, shared_mem))
+        ops_cuda,
+        "launch",
+        lambda fn, grid, block, args, shared_mem=0, dependent=False: recorded.append((*fn, grid, args, shared_mem)),
     )
     return recorded
 
