@@ -101,13 +101,15 @@ def launch(
     launch, so its start (and its first weight loads) overlap the previous kernel's end. Eager launches stay plain
     CuPy launches (the ctypes launch costs more host time than it saves outside graphs)."""
     stream = torch.cuda.current_stream().cuda_stream
-    if dependent and _programmatic_launch_supported() and torch.cuda.is_current_stream_capturing():
+    programmatic = PROGRAMMATIC_LAUNCH and dependent and _programmatic_launch_supported()
+    if programmatic and torch.cuda.is_current_stream_capturing():
         _launch_programmatic(fn, grid, block, args, shared_mem, stream)
         return
     fn(grid, block, args, shared_mem=shared_mem, stream=_TorchStream(stream))
 
 
 # cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h), through ctypes.
+PROGRAMMATIC_LAUNCH = True  # False: graphs capture plain launches (for measuring what programmatic launch buys)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
