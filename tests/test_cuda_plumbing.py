@@ -7,6 +7,7 @@ that the pointers a kernel always reads are set, and that the paged-decode grid 
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -168,3 +169,38 @@ def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
     row_bytes = attention.q_proj.in_features * 2  # bf16
     offsets = [int(args[4]) - int(first_qkv[0][4]) for args in first_qkv]
     assert offsets == [0, widths[0] * row_bytes, (widths[0] + widths[1]) * row_bytes]
+
+
+def test_programmatic_launch_structs_match_cuda_h():
+    """CUlaunchAttribute / CUlaunchConfig as cuda.h lays them out (64-bit)."""
+    assert ctypes.sizeof(loader._LaunchAttribute) == 72 and loader._LaunchAttribute.value.offset == 8
+    config = loader._LaunchConfig
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(config) == 56
+
+
+def test_programmatic_launch_passes_the_arguments(monkeypatch):
+    seen = {}
+
+    def fake_launch(config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(loader._LaunchConfig)).contents
+        attribute = config.attrs[0]
+        seen.update(grid=(config.grid_x, config.grid_y, config.grid_z), block=(config.block_x, config.block_y),
+                    shared=config.shared_mem, stream=config.stream, attribute=(attribute.id, attribute.value),
+                    count=config.num_attrs, function=function)  # fmt: skip
+        seen["args"] = (
+            ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64)).contents.value,
+            ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32)).contents.value,
+            ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float)).contents.value,
+        )
+        return 0
+
+    monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: fake_launch)
+    function = type("Function", (), {"ptr": 0xABC})()
+    args = (np.uint64(2**40 + 5), np.int32(-3), np.float32(0.5))
+    loader._launch_programmatic(function, (7,), (128,), args, 4096, 0x1234)
+    assert seen == {"grid": (7, 1, 1), "block": (128, 1), "shared": 4096, "stream": 0x1234, "attribute": (6, 1),
+                    "count": 1, "function": 0xABC, "args": (2**40 + 5, -3, 0.5)}  # fmt: skip
+    monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: lambda *a: 1)
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        loader._launch_programmatic(function, (1,), (32,), args, 0, 0)
