@@ -310,6 +310,9 @@ def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Ten
         return None
     _check(x, "the residual stream")
     rows, branch = rows.contiguous(), junction.branch.reshape(-1, hidden).contiguous()
+    weights = [w for w in (junction.branch_weight, junction.next_weight) if w is not None]
+    if any(t.data_ptr() % 16 for t in (rows, branch, *weights)):  # the prologue reads 16-byte vectors
+        return None
     total = torch.empty_like(x)
     arguments = (ptr(rows), ptr(branch), ptr(junction.branch_weight), ptr(junction.next_weight), ptr(total),
                  f32(junction.eps), i32(JUNCTION_MODES[junction.mode]))  # fmt: skip
