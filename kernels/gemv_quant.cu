@@ -119,12 +119,9 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
             ch.high[r][1] = full ? __ldg(high + 1) : 0u;
         }
         const long long gi = static_cast<long long>(row) * groups;
-        ch.scale_bits[r][0] = __ldg(mat.scales + gi + group0);
-        ch.zero[r][0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
-        if constexpr (ChunkGroups<BITS>::count == 2) {
-            ch.scale_bits[r][1] = __ldg(mat.scales + gi + group1);
-            ch.zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
-        }
+        load_group(mat, gi, group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
+        if constexpr (ChunkGroups<BITS>::count == 2)
+            load_group(mat, gi, group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
     }
 }
 
@@ -370,10 +367,11 @@ __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh
         const int row = static_cast<int>(i / words), word_index = static_cast<int>(i % words);
         const unsigned word = qweight[i];
         const int col0 = word_index * cpw;
-        const long long gi = static_cast<long long>(row) * groups + (col0 >> group_shift);
-        const float s = scale_to_float(scales[gi], scale_is_bf16);
-        const int z = zeros ? static_cast<int>(zeros[gi]) : midpoint;
         const QuantMatrix mat{qweight, qhigh, scales, zeros};
+        unsigned short scale_bits;
+        int z;
+        load_group(mat, static_cast<long long>(row) * groups, col0 >> group_shift, midpoint, scale_bits, z);
+        const float s = scale_to_float(scale_bits, scale_is_bf16);
         const unsigned high = high_bits_for<BITS>(mat, row, words, word_index);
         unsigned packed[cpw / 2];  // column pairs (2j, 2j + 1)
         if constexpr (BITS == 8) {  // bytes (k0, k2, k1, k3)

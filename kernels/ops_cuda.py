@@ -118,6 +118,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     K = owner.in_features
     sizes = [layer.out_features for layer in layers]
     out_features = sizes[0] if swiglu else sum(sizes)
+    row_sizes = sizes[:1] if swiglu else sizes  # the rows CTAs are assigned to (SwiGLU: gate and up share them)
     matrices: list = []
     for index in range(3):
         if index < len(layers):
@@ -134,14 +135,14 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # One token row: 2 weight rows per warp (64 registers: 8 CTAs per SM). Several token rows: 4 weight rows per
         # warp, so each activation load (one per token row and word) serves 4 rows.
         R = 2 if rows == 1 else 4
-        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in (sizes[:1] if swiglu else sizes)))
-        ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
+        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in row_sizes))
+        ctas = sum(math.ceil(n / (4 // split * R)) for n in row_sizes)
         launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}, false>", ctas)
     rope_name, rope_ctas = launches[1]
     rope_launch = (rope_name.replace(", false>", ", true>"), rope_ctas)
     mma_launches = None
     if fmt.bits in MMA_BITS and words % 4 == 0:
-        ctas = sum(math.ceil(n / 16) for n in (sizes[:1] if swiglu else sizes))
+        ctas = sum(math.ceil(n / 16) for n in row_sizes)
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         mma_launches = {
@@ -175,11 +176,17 @@ def _gemv(
         raise ValueError("the RoPE epilogue serves the QKV projection of one token")
     y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
     row_bytes, out_bytes = K * x.element_size(), plan.out_features * x.element_size()
+
+    def arguments(start: int, chunk: int) -> tuple:
+        """The arguments both kernels share (rows start .. start + chunk of x and y)."""
+        out = ptr(None) if y is None else np.uint64(y.data_ptr() + start * out_bytes)
+        return (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
+                plan.tail[0], out, *plan.tail)  # fmt: skip
+
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
-            args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                    plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
+            args = arguments(start, chunk)
             name, ctas = plan.mma_launches[1 if chunk <= 8 else 2]
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args, dependent=True)
         return y
@@ -188,9 +195,7 @@ def _gemv(
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         if fused and (start or chunk != rows):
             raise ValueError("the junction prologue serves up to 8 rows in one launch")
-        out = ptr(None) if y is None else np.uint64(y.data_ptr() + start * out_bytes)
-        args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                plan.tail[0], out, *plan.tail, *junction, *rope)  # fmt: skip
+        args = (*arguments(start, chunk), *junction, *rope)
         name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
         shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)

@@ -39,6 +39,13 @@ __device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, uns
     return centered_pair<T>(fields, magic_minus);
 }
 
+// The scale bits and zero of group `group` of a row (gi: the row's first group index); symmetric: the midpoint.
+__device__ __forceinline__ void load_group(const QuantMatrix& mat, long long gi, int group, int midpoint,
+                                           unsigned short& scale_bits, int& zero) {
+    scale_bits = __ldg(mat.scales + gi + group);
+    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group)) : midpoint;
+}
+
 // INT3: the high-plane bits of word `word_index` of `row` (a high word covers two low words).
 template <int BITS>
 __device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int row, int words_per_row, int word_index) {
