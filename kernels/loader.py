@@ -157,7 +157,7 @@ def _launch_programmatic(fn: Any, grid: tuple, block: tuple, args: tuple, shared
     attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
     config = _LaunchConfig(*grid3, *block3, shared_mem, stream, ctypes.pointer(attribute), 1)
-    status = _cu_launch_kernel_ex()(ctypes.byref(config), fn.ptr, params, None)
+    status = _cu_launch_kernel_ex()(ctypes.byref(config), fn.kernel.ptr, params, None)  # CUfunction
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with CUresult {status}")
 

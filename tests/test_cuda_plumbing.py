@@ -196,7 +196,8 @@ def test_programmatic_launch_passes_the_arguments(monkeypatch):
         return 0
 
     monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: fake_launch)
-    function = type("Function", (), {"ptr": 0xABC})()
+    compiled = type("Function", (), {"ptr": 0xABC})()  # cupy.cuda.function.Function: .ptr is the CUfunction
+    function = type("RawKernel", (), {"kernel": compiled})()
     args = (np.uint64(2**40 + 5), np.int32(-3), np.float32(0.5))
     loader._launch_programmatic(function, (7,), (128,), args, 4096, 0x1234)
     assert seen == {"grid": (7, 1, 1), "block": (128, 1), "shared": 4096, "stream": 0x1234, "attribute": (6, 1),
