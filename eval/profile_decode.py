@@ -34,7 +34,14 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--no-programmatic-launch", action="store_true", help="capture plain launches (A/B of kernels/loader.py)"
+    )
     args = parser.parse_args()
+    if args.no_programmatic_launch:
+        from tinyloop_hf.kernels import loader
+
+        loader.PROGRAMMATIC_LAUNCH = False
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = TinyLoopForCausalLM(ouro_config(args.loops, 4096)).to(torch.bfloat16).eval()

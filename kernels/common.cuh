@@ -80,3 +80,19 @@ __device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
 }
 
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
+
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the PDL attribute may start while
+// the previous kernel on the stream finishes. pdl_wait() blocks until that kernel has completed and its writes are
+// visible: call it before reading anything earlier kernels wrote (weights can be loaded before) and before any
+// global write. pdl_trigger() lets the next PDL-launched kernel start launching (it still waits for completion).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}

@@ -77,10 +77,8 @@ __device__ __forceinline__ void load_row_chunk(const QuantMatrix& mat, int row, 
     const int word = valid ? first_word : step_word;
     const long long gi = static_cast<long long>(row) * groups;
     const int group0 = (word * cpw) >> group_shift, group1 = ((word + 3) * cpw) >> group_shift;
-    rc.scale_bits[0] = __ldg(mat.scales + gi + group0);
-    rc.scale_bits[1] = __ldg(mat.scales + gi + group1);
-    rc.zero[0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
-    rc.zero[1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
+    load_group(mat, gi, group0, midpoint, rc.scale_bits[0], rc.zero[0]);
+    load_group(mat, gi, group1, midpoint, rc.scale_bits[1], rc.zero[1]);
 }
 
 // A row's fragment pairs of one step, ready for the mma: (q - z), times the scale unless POST_SCALE (one group per
@@ -168,28 +166,16 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
+    pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int blocks0 = (N0 + 15) / 16, blocks1 = (N1 + 15) / 16;
-    int block = blockIdx.x, N = N0, column = 0;
+    const ProjectionSlot<T> slot =
+        select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
+                             QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
     QuantMatrix mats[MATS];
-    mats[0] = QuantMatrix{qw0, qh0, sc0, zr0};
+    mats[0] = slot.mat;
     if constexpr (SWIGLU) mats[1] = QuantMatrix{qw1, qh1, sc1, zr1};
-    const T* bias = bias0;
-    if (!SWIGLU && block >= blocks0) {
-        block -= blocks0;
-        column = N0;
-        if (block < blocks1) {
-            mats[0] = QuantMatrix{qw1, qh1, sc1, zr1};
-            bias = bias1;
-            N = N1;
-        } else {
-            block -= blocks1;
-            column = N0 + N1;
-            mats[0] = QuantMatrix{qw2, qh2, sc2, zr2};
-            bias = bias2;
-            N = N2;
-        }
-    }
+    const T* bias = slot.bias;
+    const int N = slot.N, column = slot.column, block = slot.block;
     const int row0 = block * 16;
     const int row_lo = min(row0 + g, N - 1), row_hi = min(row0 + g + 8, N - 1);
     const int words = K / cpw;
@@ -213,6 +199,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
         }
     };
     if (warp * 16 < words) load_step(warp * 16);
+    pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
     for (int first = warp * 16; first < words; first += 16 * MMA_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out

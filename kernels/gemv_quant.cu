@@ -4,6 +4,7 @@
 // Work split: a CTA of 4 warps; each warp owns R output rows (each activation chunk is loaded once, used R
 // times); lanes stride over the row in 16-byte weight loads. Epilogues: + bias, + residual, or SwiGLU
 // (SWIGLU: a second matrix "up" with the same shape; y = silu(gate . x) * (up . x)).
+#include "norm.cuh"
 #include "quant_layout.cuh"
 
 // Activations of one weight word's columns, per token row: INT4 8 columns = one uint4, INT2/INT3 16 = two, INT8 4
@@ -99,12 +100,12 @@ struct Chunk {
 template <int BITS> struct ChunkGroups { static constexpr int count = BITS == 4 || BITS == 8 ? 1 : 2; };
 
 template <int BITS, int R>
-__device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int N, int words, int groups,
-                                           int midpoint, int first_word, bool full, int group0, int group1,
-                                           Chunk<BITS, R>& ch) {
+__device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int row_step, int N, int words,
+                                           int groups, int midpoint, int first_word, bool full, int group0,
+                                           int group1, Chunk<BITS, R>& ch) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r, N - 1);
+        const int row = min(row0 + r * row_step, N - 1);
         const unsigned* base = mat.qweight + static_cast<long long>(row) * words + first_word;
         if (full) {
             const uint4 v = load_stream(reinterpret_cast<const uint4*>(base));
@@ -118,22 +119,20 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
             ch.high[r][1] = full ? __ldg(high + 1) : 0u;
         }
         const long long gi = static_cast<long long>(row) * groups;
-        ch.scale_bits[r][0] = __ldg(mat.scales + gi + group0);
-        ch.zero[r][0] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group0)) : midpoint;
-        if constexpr (ChunkGroups<BITS>::count == 2) {
-            ch.scale_bits[r][1] = __ldg(mat.scales + gi + group1);
-            ch.zero[r][1] = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group1)) : midpoint;
-        }
+        load_group(mat, gi, group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
+        if constexpr (ChunkGroups<BITS>::count == 2)
+            load_group(mat, gi, group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
     }
 }
 
 // Groups are 32, 64 or 128 columns (or the whole row): the group of column c is c >> group_shift (31 per channel).
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
+// The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
 template <int BITS, typename T, int MAXM, int R, int KSPLIT>
-__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N, int K, int group_shift, int groups,
-                                         int scale_is_bf16, int midpoint, const T* __restrict__ x, int ldx, int M,
-                                         int part, float (&acc)[R][MAXM]) {
+__device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
+                                         int group_shift, int groups, int scale_is_bf16, int midpoint,
+                                         const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int NG = ChunkGroups<BITS>::count;
     constexpr int STRIDE = 32 * KSPLIT;  // the KSPLIT warps of a row group interleave their chunks
@@ -151,10 +150,11 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
         const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;
-        load_chunk<BITS, R>(mat, row0, N, words, groups, midpoint, first_word, full, group0, group1, ch);
+        load_chunk<BITS, R>(mat, row0, row_step, N, words, groups, midpoint, first_word, full, group0, group1, ch);
     };
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
+    pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
     for (int c = lane; c < total; c += STRIDE) {
         const Chunk<BITS, R> cur = next;
         if (c + STRIDE < total) load(c + STRIDE, next);
@@ -181,7 +181,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
                 load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    if (row0 + r < N) {
+                    if (row0 + r * row_step < N) {
                         unsigned high = 0u;
                         if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
                         const int k = NG - 1;  // the second group's index where there is one
@@ -199,12 +199,25 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int N
         for (int m = 0; m < MAXM; ++m) acc[r][m] = warp_sum(acc[r][m]);
 }
 
+// One-row INT4/INT8 launches with R = 2 are held to 64 registers (8 CTAs of 128 threads per SM, no spills, checked
+// with ptxas_report): large matrices then run in close to whole waves (16384 rows: 2048 CTAs over 1056 slots)
+// instead of 1.55 waves of R = 4 CTAs at 96 registers. INT2/INT3 would spill at 64.
+template <int BITS, int MAXM, int R> struct GemvOccupancy {
+    static constexpr int min_ctas = MAXM == 1 && R == 2 && (BITS == 4 || BITS == 8) ? 8 : 1;
+};
+
 // One launch serves up to three matrices sharing K and the format (QKV: outputs concatenated along columns of
 // y), or (SWIGLU) a gate matrix 0 and an up matrix 1 of the same shape. CTAs are assigned to matrices in order.
 // KSPLIT warps share each R rows and split K between them (summed through shared memory): short rows and
 // long-K / few-row layers (down_proj) then have more loads in flight and shorter dependent chains per warp.
-template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT>
-__global__ void __launch_bounds__(128) gemv_quant(
+// Junction prologue (jx not null): x is not given but computed by every CTA from the residual stream jx and the
+// previous sublayer's output jbranch as the block's residual junction (norm.cuh) into shared memory (dynamic, M * K
+// elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
+// RoPE epilogue (ROPE, one token, the QKV launch): each warp owns the two dims RoPE rotates together (rows
+// p, p + D/2 of a head for rotate_half, 2p, 2p + 1 interleaved) and writes rotated q to q_out and rotated K / V
+// into the token's page slot (16-token pages, T), replacing y and the rope_kv_append kernel.
+template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT, bool ROPE>
+__global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
@@ -213,40 +226,48 @@ __global__ void __launch_bounds__(128) gemv_quant(
     const unsigned* qw2, const unsigned* qh2, const unsigned short* sc2, const unsigned char* zr2, const T* bias2,
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
-    int scale_is_bf16, int midpoint) {
+    int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
+    float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
+    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
+    static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
+    pdl_trigger();
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
     constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
     constexpr int MATS = SWIGLU ? 2 : 1;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int row_group = warp / KSPLIT, part = warp % KSPLIT;
-    const int blocks0 = (N0 + ROWS_PER_CTA - 1) / ROWS_PER_CTA, blocks1 = (N1 + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
-    int block = blockIdx.x, N = N0, column = 0;
-    QuantMatrix mat{qw0, qh0, sc0, zr0};
-    const T* bias = bias0;
-    if (!SWIGLU && block >= blocks0) {
-        block -= blocks0;
-        column = N0;
-        if (block < blocks1) {
-            mat = QuantMatrix{qw1, qh1, sc1, zr1};
-            bias = bias1;
-            N = N1;
-        } else {
-            block -= blocks1;
-            column = N0 + N1;
-            mat = QuantMatrix{qw2, qh2, sc2, zr2};
-            bias = bias2;
-            N = N2;
-        }
+    const ProjectionSlot<T> slot =
+        select_projection<T>(blockIdx.x, ROWS_PER_CTA, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
+                             QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
+    const QuantMatrix mat = slot.mat;
+    const T* bias = slot.bias;
+    const int N = slot.N, column = slot.column, block = slot.block;
+    if (jx != nullptr) {
+        pdl_wait();  // the junction reads the previous kernels' outputs
+        extern __shared__ __align__(16) unsigned char staged_bytes[];
+        T* staged = reinterpret_cast<T*>(staged_bytes);
+        for (int m = 0; m < M; ++m)
+            junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
+                         jw_next, blockIdx.x == 0 ? jsum + static_cast<long long>(m) * K : nullptr, staged + m * K,
+                         K, eps, mode);
+        __syncthreads();
+        x = staged;
+        ldx = K;
     }
-    const int row0 = (block * GROUPS_PER_CTA + row_group) * R;
+    int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
+    if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
+        const int pair = row0 / 2, half = D / 2;
+        row0 = (pair / half) * D + pair % half;
+        row_step = half;
+    }
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M, part,
-                                       acc[0]);
+    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
+                                       M, part, acc[0]);
     if constexpr (SWIGLU) {
         const QuantMatrix up{qw1, qh1, sc1, zr1};
-        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx, M,
-                                           part, acc[1]);
+        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
+                                           ldx, M, part, acc[1]);
     }
     if constexpr (KSPLIT > 1) {
         __shared__ float partial[4][MATS][R][MAXM];
@@ -279,6 +300,37 @@ __global__ void __launch_bounds__(128) gemv_quant(
             }
     }
     if (lane != 0) return;
+    if constexpr (ROPE) {
+        // One token: its q / k dims (d0, d1) rotated as rope_kv_append.cu does (fp32, no FMA, from the projection
+        // rounded to T), q into q_out, K / V straight into the token's page slot.
+        const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D;
+        const int p = layout == 0 ? d0 : d0 / 2;
+        float a = acc[0][0][0], c = acc[0][1][0];
+        if (bias) {
+            a += to_float(bias[row0]);
+            c += to_float(bias[row0 + row_step]);
+        }
+        a = to_float(from_float<T>(a));
+        c = to_float(from_float<T>(c));
+        float out0 = a, out1 = c;
+        if (column < Hq * D + Hkv * D) {  // q or k: rotate
+            const float cs = rope_cos[p], sn = rope_sin[p];
+            out0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+            out1 = __fadd_rn(__fmul_rn(c, cs), __fmul_rn(a, sn));
+        }
+        T* dst;
+        if (column == 0) {
+            dst = q_out + head * D;
+        } else {
+            const int pos = positions[0];
+            const int page = block_table[pos / 16];
+            const long long page_slot = (static_cast<long long>(page) * Hkv + head) * 16 + pos % 16;
+            dst = (column == Hq * D ? k_pages : v_pages) + page_slot * D;
+        }
+        dst[d0] = from_float<T>(out0);
+        dst[d1] = from_float<T>(out1);
+        return;
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int row = row0 + r;
@@ -315,10 +367,11 @@ __global__ void dequantize_weight(const unsigned* qweight, const unsigned* qhigh
         const int row = static_cast<int>(i / words), word_index = static_cast<int>(i % words);
         const unsigned word = qweight[i];
         const int col0 = word_index * cpw;
-        const long long gi = static_cast<long long>(row) * groups + (col0 >> group_shift);
-        const float s = scale_to_float(scales[gi], scale_is_bf16);
-        const int z = zeros ? static_cast<int>(zeros[gi]) : midpoint;
         const QuantMatrix mat{qweight, qhigh, scales, zeros};
+        unsigned short scale_bits;
+        int z;
+        load_group(mat, static_cast<long long>(row) * groups, col0 >> group_shift, midpoint, scale_bits, z);
+        const float s = scale_to_float(scale_bits, scale_is_bf16);
         const unsigned high = high_bits_for<BITS>(mat, row, words, word_index);
         unsigned packed[cpw / 2];  // column pairs (2j, 2j + 1)
         if constexpr (BITS == 8) {  // bytes (k0, k2, k1, k3)

@@ -8,6 +8,7 @@ the source text) never serves a kernel built against an older header. Launches t
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import re
 from pathlib import Path
@@ -92,9 +93,73 @@ class _TorchStream:
         self.ptr = ptr
 
 
-def launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0) -> None:
-    stream = _TorchStream(torch.cuda.current_stream().cuda_stream)
-    fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+def launch(
+    fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, shared_mem: int = 0, dependent: bool = False
+) -> None:
+    """Launch ``fn`` on PyTorch's current stream. ``dependent``: a kernel that calls pdl_wait() before reading
+    earlier kernels' outputs; inside a CUDA-graph capture on sm_90+ it is launched with programmatic dependent
+    launch, so its start (and its first weight loads) overlap the previous kernel's end. Eager launches stay plain
+    CuPy launches (the ctypes launch costs more host time than it saves outside graphs)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    programmatic = PROGRAMMATIC_LAUNCH and dependent and _programmatic_launch_supported()
+    if programmatic and torch.cuda.is_current_stream_capturing():
+        _launch_programmatic(fn, grid, block, args, shared_mem, stream)
+        return
+    fn(grid, block, args, shared_mem=shared_mem, stream=_TorchStream(stream))
+
+
+# cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h), through ctypes.
+PROGRAMMATIC_LAUNCH = True  # False: graphs capture plain launches (for measuring what programmatic launch buys)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, a 64-byte value union (here its first int)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [
+        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+        ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
+_ARGUMENT_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+
+
+@functools.cache
+def _programmatic_launch_supported() -> bool:
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+@functools.cache
+def _cu_launch_kernel_ex() -> Any:
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        ctypes.POINTER(_LaunchConfig),
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+    ]
+    return function
+
+
+def _launch_programmatic(fn: Any, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream: int) -> None:
+    values = [_ARGUMENT_CTYPES[type(arg)](arg.item()) for arg in args]  # kept alive until the launch returns
+    params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    grid3, block3 = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+    config = _LaunchConfig(*grid3, *block3, shared_mem, stream, ctypes.pointer(attribute), 1)
+    status = _cu_launch_kernel_ex()(ctypes.byref(config), fn.kernel.ptr, params, None)  # CUfunction
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed with CUresult {status}")
 
 
 def ptr(tensor: torch.Tensor | None) -> np.uint64:

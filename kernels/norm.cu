@@ -1,71 +1,10 @@
-// RMSNorm and the residual junction of a block, one CTA per token row, values kept in registers (8 per 16-byte
-// vector, up to MAX_VECS vectors per thread: hidden <= 8 * MAX_VECS * blockDim), statistics in fp32.
-//
-// Rounding mirrors the reference path (ops_tinyloop.rms_norm): normed = x * rsqrt(mean(x^2) + eps) in fp32,
-// cast to T, then times the weight in T. The junction computes, per `mode`,
-//   0 pre:      sum = x + branch
-//   1 sandwich: sum = x + norm(branch; w_branch)          (Ouro)
-//   2 post:     sum = norm(branch + x; w_branch)          (Huginn)
-// and then, if w_next is given, next = norm(sum; w_next) — the input of the following sublayer.
-#include "common.cuh"
-
-constexpr int MAX_VECS = 4;
-
-template <typename T>
-__device__ __forceinline__ void store_row8(T* p, const float (&values)[8]) {
-    T packed[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) packed[i] = from_float<T>(values[i]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(packed);
-}
-
-__device__ __forceinline__ float round_to(float v, const __half*) { return __half2float(__float2half_rn(v)); }
-__device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {
-    return __bfloat162float(__float2bfloat16_rn(v));
-}
-
-__device__ float block_sum(float v) {
-    __shared__ float shared[32];
-    v = warp_sum(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    __syncthreads();  // shared[] may still be read by a previous call
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    float total = 0.0f;
-    for (int i = 0; i < warps; ++i) total += shared[i];
-    return total;
-}
-
-// Every thread owns vectors j at columns (threadIdx.x + j * blockDim.x) * 8.
-#define FOR_VECS(j, col)                                                    \
-    _Pragma("unroll") for (int j = 0; j < MAX_VECS; ++j)                   \
-        if (const int col = (threadIdx.x + j * blockDim.x) * 8; col < H)
-
-template <typename T>
-__device__ float inverse_rms(const float (&v)[MAX_VECS][8], int H, float eps) {
-    float sq = 0.0f;
-    FOR_VECS(j, col) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sq += v[j][e] * v[j][e];
-    }
-    return rsqrtf(block_sum(sq) / H + eps);
-}
-
-// v <- T(T(v * inv) * weight)
-template <typename T>
-__device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight, int H, float eps) {
-    const float inv = inverse_rms<T>(v, H, eps);
-    FOR_VECS(j, col) {
-        float w[8];
-        load8_as_float(weight + col, w);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) v[j][e] = round_to(round_to(v[j][e] * inv, weight) * w[e], weight);
-    }
-}
+// RMSNorm and the residual junction of a block, one CTA per token row (the math lives in norm.cuh).
+#include "norm.cuh"
 
 template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out, int H,
                          float eps) {
+    pdl_trigger();
     const long long base = static_cast<long long>(blockIdx.x) * H;
     float v[MAX_VECS][8];
     FOR_VECS(j, col) load8_as_float(x + base + col, v[j]);
@@ -77,30 +16,7 @@ template <typename T>
 __global__ void residual_norm(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                               const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H,
                               float eps, int mode) {
+    pdl_trigger();
     const long long base = static_cast<long long>(blockIdx.x) * H;
-    float v[MAX_VECS][8];
-    FOR_VECS(j, col) {
-        float a[8];
-        load8_as_float(branch + base + col, v[j]);
-        if (mode != 1) {
-            load8_as_float(x + base + col, a);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
-        }
-    }
-    if (mode != 0) {
-        normalize(v, w_branch, H, eps);
-        if (mode == 1) {
-            FOR_VECS(j, col) {
-                float a[8];
-                load8_as_float(x + base + col, a);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
-            }
-        }
-    }
-    FOR_VECS(j, col) store_row8(sum_out + base + col, v[j]);
-    if (w_next == nullptr) return;
-    normalize(v, w_next, H, eps);
-    FOR_VECS(j, col) store_row8(next_out + base + col, v[j]);
+    junction_row(x + base, branch + base, w_branch, w_next, sum_out + base, next_out + base, H, eps, mode);
 }

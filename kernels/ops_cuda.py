@@ -10,6 +10,7 @@ Everything a kernel cannot serve raises CudaPathUnavailable with the reason; not
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinyloop_hf.ops_tinyloop import REFERENCE, get_op, register_op
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
 from tinyloop_hf.paged_cache import PAGE_SIZE, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
@@ -42,8 +43,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
     if not full:
         gemv_variants = [(1, 2, "false", 2), (8, 4, "true", 4)]
     return {
-        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}>" for b in (2, 3, 4, 8) for t in types
-                          for m, r, sw, k in gemv_variants]
+        "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}, {rope}>" for b in (2, 3, 4, 8) for t in types
+                          for m, r, sw, k in gemv_variants
+                          for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))]
         + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}>" for b in MMA_BITS for t in types
                               for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
@@ -83,6 +85,7 @@ class _GemvPlan:
     tail: tuple
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
+    rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
     mma_launches: dict[int, tuple[str, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (kernel name, CTAs)
 
 
@@ -115,6 +118,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     K = owner.in_features
     sizes = [layer.out_features for layer in layers]
     out_features = sizes[0] if swiglu else sum(sizes)
+    row_sizes = sizes[:1] if swiglu else sizes  # the rows CTAs are assigned to (SwiGLU: gate and up share them)
     matrices: list = []
     for index in range(3):
         if index < len(layers):
@@ -128,46 +132,73 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     columns_per_word = 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
     words = K // columns_per_word
     for rows in (1, 4, 8):
-        # One token row: 2-4 weight rows per warp. Several token rows: 4 weight rows per warp, so each activation
-        # load (one per token row and word) serves 4 rows.
-        R = (4 if out_features >= 8192 else 2) if rows == 1 else 4
-        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in (sizes[:1] if swiglu else sizes)))
-        ctas = sum(math.ceil(n / (4 // split * R)) for n in (sizes[:1] if swiglu else sizes))
-        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}>", ctas)
+        # One token row: 2 weight rows per warp (64 registers: 8 CTAs per SM). Several token rows: 4 weight rows per
+        # warp, so each activation load (one per token row and word) serves 4 rows.
+        R = 2 if rows == 1 else 4
+        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in row_sizes))
+        ctas = sum(math.ceil(n / (4 // split * R)) for n in row_sizes)
+        launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}, false>", ctas)
+    rope_name, rope_ctas = launches[1]
+    rope_launch = (rope_name.replace(", false>", ", true>"), rope_ctas)
     mma_launches = None
     if fmt.bits in MMA_BITS and words % 4 == 0:
-        ctas = sum(math.ceil(n / 16) for n in (sizes[:1] if swiglu else sizes))
+        ctas = sum(math.ceil(n / 16) for n in row_sizes)
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         mma_launches = {
             nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}>", ctas) for nt in (1, 2)
         }
-    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, mma_launches)
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
 
-def _gemv(x: torch.Tensor, layers: list[QuantLinear], swiglu: bool) -> torch.Tensor:
-    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu)."""
+_NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
+_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
+
+
+def _gemv(
+    x: torch.Tensor,
+    layers: list[QuantLinear],
+    swiglu: bool,
+    junction: tuple = _NO_JUNCTION,
+    rope: tuple = _NO_ROPE,
+) -> torch.Tensor | None:
+    """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
+    ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
+    ``rope``: the RoPE-epilogue arguments of a one-token QKV launch (see _attend), which writes q and the K/V pages
+    instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
-    y = torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
-    row_bytes, out_bytes = K * x.element_size(), plan.out_features * y.element_size()
-    if rows >= MMA_MIN_ROWS and plan.mma_launches is not None:
+    fused = junction is not _NO_JUNCTION
+    with_rope = rope is not _NO_ROPE
+    if with_rope and (rows != 1 or swiglu or len(layers) != 3):
+        raise ValueError("the RoPE epilogue serves the QKV projection of one token")
+    y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
+    row_bytes, out_bytes = K * x.element_size(), plan.out_features * x.element_size()
+
+    def arguments(start: int, chunk: int) -> tuple:
+        """The arguments both kernels share (rows start .. start + chunk of x and y)."""
+        out = ptr(None) if y is None else np.uint64(y.data_ptr() + start * out_bytes)
+        return (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
+                plan.tail[0], out, *plan.tail)  # fmt: skip
+
+    if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
-            args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                    plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
+            args = arguments(start, chunk)
             name, ctas = plan.mma_launches[1 if chunk <= 8 else 2]
-            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args)
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
-        args = (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
-                plan.tail[0], np.uint64(y.data_ptr() + start * out_bytes), *plan.tail)  # fmt: skip
-        name, ctas = plan.launches[maxm]
-        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args)
+        if fused and (start or chunk != rows):
+            raise ValueError("the junction prologue serves up to 8 rows in one launch")
+        args = (*arguments(start, chunk), *junction, *rope)
+        name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
+        shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
+        launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
 
 
@@ -249,6 +280,50 @@ def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
     return project(hidden, [module.down_proj]).view(*x.shape[:-1], -1)
 
 
+JUNCTION_PROLOGUE_MAX_HIDDEN = 8 * 4 * _THREADS  # norm.cuh: 8 values x MAX_VECS vectors per thread
+
+
+@register_op("junction_mlp", CUDA)
+def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual junction after attention and the MLP on its normed output. One decode row with quantized
+    gate/up: the junction runs in the prologue of the gate/up GEMV (every CTA normalizes the row into shared
+    memory, CTA 0 writes the new residual stream); otherwise the junction kernel, then the MLP."""
+    gate_up = [module.gate_proj, module.up_proj]
+    prologue = _junction_prologue(junction, gate_up)
+    if prologue is None:
+        total, normed = residual_norm(*junction.residual_norm_args())
+        return total, mlp(module, normed)
+    rows, total, arguments = prologue
+    activated = _gemv(rows, gate_up, swiglu=True, junction=arguments)
+    return total, project(activated, [module.down_proj]).view(*junction.x.shape[:-1], -1)
+
+
+def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
+    """(x's rows, the new residual stream to be written, gemv_quant junction arguments) for a GEMV launch over
+    ``layers`` with the junction in its prologue, or None where that launch cannot serve the step (several rows,
+    unquantized layers, hidden too large)."""
+    x = junction.x
+    hidden = x.shape[-1]
+    rows = x.reshape(-1, hidden)
+    fusable = (
+        rows.shape[0] == 1
+        and all(isinstance(layer, QuantLinear) for layer in layers)
+        and hidden <= JUNCTION_PROLOGUE_MAX_HIDDEN
+        and hidden % 8 == 0
+    )
+    if not fusable:
+        return None
+    _check(x, "the residual stream")
+    rows, branch = rows.contiguous(), junction.branch.reshape(-1, hidden).contiguous()
+    weights = [w for w in (junction.branch_weight, junction.next_weight) if w is not None]
+    if any(t.data_ptr() % 16 for t in (rows, branch, *weights)):  # the prologue reads 16-byte vectors
+        return None
+    total = torch.empty_like(x)
+    arguments = (ptr(rows), ptr(branch), ptr(junction.branch_weight), ptr(junction.next_weight), ptr(total),
+                 f32(junction.eps), i32(JUNCTION_MODES[junction.mode]))  # fmt: skip
+    return rows, total, arguments
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Norms
 # ----------------------------------------------------------------------------------------------------------------------
@@ -302,20 +377,59 @@ def residual_norm(
 
 @register_op("self_attention", CUDA)
 def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
-    config = module.config
     batch, steps, _ = x.shape
+    rows = x.reshape(batch * steps, -1).contiguous()
+    layers = [module.q_proj, module.k_proj, module.v_proj]
+    # One row through the CUDA-core GEMV can take the RoPE epilogue.
+    one_gemv = rows.shape[0] == 1 and all(isinstance(layer, QuantLinear) for layer in layers)
+    one_gemv = one_gemv and rows.data_ptr() % 16 == 0
+
+    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
+        return project(rows, layers) if rope is None else _gemv(rows, layers, swiglu=False, rope=rope)
+
+    return _attend(module, qkv_projection, one_gemv, batch, steps, context, slot)
+
+
+@register_op("junction_attention", CUDA)
+def junction_attention(module: Any, junction: Junction, context: Any, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous block's last junction and this block's attention on its normed output. One decode row with
+    quantized projections: the junction runs in the prologue of the QKV GEMV (and RoPE + KV append in its
+    epilogue where the cache allows); otherwise the junction kernel, then attention."""
+    batch, steps, _ = junction.x.shape
+    layers = [module.q_proj, module.k_proj, module.v_proj]
+    prologue = _junction_prologue(junction, layers)
+    if prologue is None:
+        total, normed = residual_norm(*junction.residual_norm_args())
+        return total, self_attention(module, normed, context, slot)
+    rows, total, arguments = prologue
+
+    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
+        return _gemv(rows, layers, swiglu=False, junction=arguments, rope=_NO_ROPE if rope is None else rope)
+
+    return total, _attend(module, qkv_projection, True, batch, steps, context, slot)
+
+
+def _attend(
+    module: Any,
+    qkv_projection: Callable[[tuple | None], torch.Tensor | None],
+    one_gemv: bool,
+    batch: int,
+    steps: int,
+    context: Any,
+    slot: int,
+) -> torch.Tensor:
+    """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
+    [batch * steps, (Hq + 2 Hkv) * D]; when ``one_gemv`` (one token, one CUDA-core GEMV launch) and the cache
+    holds 16-bit K/V, ``qkv_projection(rope_arguments)`` instead writes rotated q and the token's K/V pages itself
+    (RoPE epilogue), and the rope_kv_append kernel is skipped."""
+    config = module.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
-    qkv = project(x.reshape(batch * steps, -1), [module.q_proj, module.k_proj, module.v_proj])
     cache = context.cache
     if cache is not None and not isinstance(cache, PagedTinyLoopCache):
         raise CudaPathUnavailable(
             "the CUDA path keeps K/V in a paged cache: pass PagedTinyLoopCache (model.new_cache() makes one) "
             "or let generate() create it"
         )
-    query = torch.empty(batch * steps, heads, dim, dtype=x.dtype, device=x.device)
-    contiguous = steps > 1 or cache is None
-    key = torch.empty(batch * steps, kv_heads, dim, dtype=x.dtype, device=x.device) if contiguous else None
-    value = torch.empty_like(key) if contiguous else None
     storage = cache.storage if cache is not None else None
     if cache is not None:
         cache.mark_written(slot)
@@ -324,23 +438,42 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     table = storage.block_table if storage is not None else None
     positions = cache.step_positions if cache is not None else None
     cos, sin = context.cos.contiguous(), context.sin.contiguous()
-    warps = batch * steps * (heads + 2 * kv_heads)
     layout = 0 if config.rope_layout == "rotate_half" else 1
-    args = (
-        *map(ptr, (qkv, cos, sin, query, pages[0], pages[1], scales[0], scales[1], table, positions, key, value)),
-        *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
-        i32(int(scales[0] is not None)),
-    )
-    launch(kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(x.dtype)}>"), (math.ceil(warps / 4),), (128,), args)
+    epilogue = one_gemv and steps == 1 and storage is not None and not storage.int8 and dim % 2 == 0
+    if epilogue:
+        dtype, device = pages[0].dtype, pages[0].device
+        query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
+        rope = (*map(ptr, (cos, sin, query, pages[0], pages[1], table, positions)),
+                *map(i32, (table.shape[1], heads, kv_heads, dim, layout)))  # fmt: skip
+        qkv_projection(rope)
+        key = value = None
+    else:
+        qkv = qkv_projection(None)
+        dtype, device = qkv.dtype, qkv.device
+        query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
+        contiguous = steps > 1 or cache is None
+        key = torch.empty(batch * steps, kv_heads, dim, dtype=dtype, device=device) if contiguous else None
+        value = torch.empty_like(key) if contiguous else None
+        warps = batch * steps * (heads + 2 * kv_heads)
+        args = (
+            *map(ptr, (qkv, cos, sin, query, pages[0], pages[1], scales[0], scales[1], table, positions, key, value)),
+            *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
+            i32(int(scales[0] is not None)),
+        )
+        launch(
+            kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args
+        )
 
-    if steps == 1 and cache is not None:
-        out = paged_decode(query.view(batch, heads, dim), cache, pages, module.scaling)
+    # Decode, and short continuations of a cached sequence (e.g. a speculative verify): paged attention in place.
+    continuation = cache is not None and cache.length > 0 and heads // kv_heads * steps <= PAGED_MAX_VECTORS
+    if cache is not None and (steps == 1 or (continuation and dim in PAGED_DIMS)):
+        out = paged_decode(query, cache, pages, module.scaling, new_tokens=steps)
     else:
         q = query.view(batch, steps, heads, dim).transpose(1, 2)
         if cache is None or cache.length == 0:
             k, v = (t.view(batch, steps, kv_heads, dim).transpose(1, 2) for t in (key, value))
         else:
-            k, v = cache.gather(slot, cache.length + steps, x.dtype)
+            k, v = cache.gather(slot, cache.length + steps, dtype)
         implementation = "eager" if config._attn_implementation == "eager" else "sdpa"
         # Prompts: PyTorch's fused SDPA over contiguous K/V (compute-bound; the reference op is that call).
         attended = get_op("attention", REFERENCE)(q, k, v, context.mask, context.is_causal, module.scaling,
@@ -365,34 +498,42 @@ def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: 
     return math.ceil(capacity / chunk), chunk
 
 
-def paged_decode(query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float) -> torch.Tensor:
-    """query [B, Hq, D] (one new token per row, already in the cache) -> attention output [B, Hq * D]."""
+PAGED_DIMS = (16, 32, 64, 128, 256)
+PAGED_MAX_VECTORS = 8  # query vectors (heads of a KV group x new tokens) one paged-attention CTA serves
+
+
+def paged_decode(
+    query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float, new_tokens: int = 1
+) -> torch.Tensor:
+    """query [B * Q, Hq, D] (Q = ``new_tokens`` per row, already in the cache; causal among themselves) ->
+    attention output [B * Q, Hq * D]."""
     storage = cache.storage
-    batch, heads, dim = query.shape
+    rows, heads, dim = query.shape
+    batch = rows // new_tokens
     kv_heads = storage.kv_heads
-    group = heads // kv_heads
-    if group > 8 or dim not in (16, 32, 64, 128, 256):
+    vectors = heads // kv_heads * new_tokens
+    if vectors > PAGED_MAX_VECTORS or dim not in PAGED_DIMS:
         raise CudaPathUnavailable(
-            f"paged decode supports up to 8 query heads per KV head and head_dim in (16, 32, 64, 128, 256), "
-            f"got {group} and {dim}"
+            f"paged attention serves up to {PAGED_MAX_VECTORS} query vectors (query heads per KV head x new "
+            f"tokens) and head_dim in {PAGED_DIMS}, got {vectors} and {dim}"
         )
-    splits, chunk = decode_partition(batch, kv_heads, group, dim, storage.capacity)
-    out = torch.empty(batch, heads, dim, dtype=query.dtype, device=query.device)
+    splits, chunk = decode_partition(batch, kv_heads, vectors, dim, storage.capacity)
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
     partial_o = partial_ml = None
     if splits > 1:
-        partial_o = torch.empty(batch * heads * splits * dim, dtype=torch.float32, device=query.device)
-        partial_ml = torch.empty(batch * heads * splits * 2, dtype=torch.float32, device=query.device)
+        partial_o = torch.empty(rows * heads * splits * dim, dtype=torch.float32, device=query.device)
+        partial_ml = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=query.device)
     int8 = storage.int8
     type_name = cuda_type(query.dtype)
     args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
             ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads), i32(dim),
-            i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
-    smem = 4 * _decode_shared_floats(group, dim, chunk)
-    max_group = next(g for g in (1, 2, 4, 8) if g >= group)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_group}>"
+            i32(new_tokens), i32(storage.blocks_per_row), i32(chunk), f32(scaling * math.log2(math.e)))  # fmt: skip
+    smem = 4 * _decode_shared_floats(vectors, dim, chunk)
+    max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (128,), args, shared_mem=smem)
-    return out.view(batch, heads * dim)
+    return out.view(rows, heads * dim)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,63 +1,90 @@
-// Paged attention for decode (one query token per row) with split-KV and a log-sum-exp merge.
+// Paged attention for decode (Q new query tokens per row, Q = 1 for plain decode; Q > 1 for a short continuation
+// such as a speculative verify, causal among the new tokens) with split-KV and a log-sum-exp merge.
 //
 // Pages: K/V [blocks, Hkv, 16, D] in T, or int8 with fp32 scales [blocks, Hkv, 16] (one per token and KV head).
-// block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new one; starts[b] = first valid
+// block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new ones; starts[b] = first valid
 // position (left padding before it is never attended). All of these live in device memory, so a captured CUDA
-// graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head (GQA
-// groups of up to 8 read each K/V byte once). Scores use exp2 with q pre-scaled by softmax_scale * log2(e).
+// graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head for every
+// new token (G * Q <= 8 query vectors read each K/V byte once). q and out: [B * Q, Hq, D]. Scores use exp2 with q
+// pre-scaled by softmax_scale * log2(e).
 // One split writes the output directly; several write fp32 partials (o, m, l) and the last split of a (row, KV
 // head) to finish — counted in split_counters, which it resets for the next launch — merges them.
 #include "common.cuh"
 
 constexpr int PAGE = 16;
-constexpr int UNROLL = 4;  // tokens per thread whose loads are in flight together
+constexpr int UNROLL = 8;  // tokens per thread whose loads are in flight together (raw: 5 registers each)
 
-// 8 consecutive K or V elements of one token and head (a 16-byte load in T, 8 bytes in int8), as fp32.
+// 8 consecutive K or V elements of one token and head as loaded (a 16-byte load in T; 8 bytes and the token's
+// scale in int8): kept raw until used, so UNROLL tokens' loads fit in registers together.
+struct Raw8 {
+    uint4 bits;
+    float scale;
+};
+
 template <typename T, int KV_INT8>
-__device__ __forceinline__ void load8(const void* pages, const float* scales, int slot, int D, int offset,
-                                      float (&out)[8]) {
+__device__ __forceinline__ Raw8 load_raw8(const void* pages, const float* scales, int slot, int D, int offset) {
+    Raw8 raw;
     if constexpr (KV_INT8) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const signed char*>(pages) +
-                                                          static_cast<long long>(slot) * D + offset);
-        const float scale = scales[slot];
-        const unsigned words[2] = {raw.x, raw.y};
+        const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const signed char*>(pages) +
+                                                        static_cast<long long>(slot) * D + offset);
+        raw.bits = make_uint4(v.x, v.y, 0u, 0u);
+        raw.scale = scales[slot];
+    } else {
+        raw.bits = *reinterpret_cast<const uint4*>(static_cast<const T*>(pages) + static_cast<long long>(slot) * D +
+                                                   offset);
+        raw.scale = 1.0f;
+    }
+    return raw;
+}
+
+template <typename T, int KV_INT8>
+__device__ __forceinline__ void raw8_to_float(const Raw8& raw, float (&out)[8]) {
+    if constexpr (KV_INT8) {
+        const unsigned words[2] = {raw.bits.x, raw.bits.y};
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-            out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * scale;
+            out[i] = static_cast<float>(static_cast<signed char>((words[i / 4] >> (8 * (i % 4))) & 0xFF)) * raw.scale;
     } else {
-        load8_as_float(static_cast<const T*>(pages) + static_cast<long long>(slot) * D + offset, out);
+        const unsigned words[4] = {raw.bits.x, raw.bits.y, raw.bits.z, raw.bits.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 f = to_float2(bits_as_vec2<T>(words[i]));
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
     }
 }
 
 // A token is served by D/8 consecutive threads (8 elements each), so a CTA of 128 threads works on 1024/D tokens
 // at once and every load of a pass is independent (page slots are looked up once, into shared memory).
-// MAX_GROUP (1, 2, 4 or 8) bounds the query heads per KV head: the V accumulators take 8 * MAX_GROUP registers,
-// so MHA models (1) keep occupancy high.
+// MAX_GROUP (1, 2, 4 or 8) bounds the query vectors per CTA (G * Q): the V accumulators take 8 * MAX_GROUP
+// registers, so MHA decode (1) keeps occupancy high.
 template <typename T, int KV_INT8, int MAX_GROUP>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int D, int max_blocks, int chunk, float scale_log2) {
+    int Hq, int Hkv, int D, int Q, int max_blocks, int chunk, float scale_log2) {
+    pdl_trigger();
     extern __shared__ float smem[];
-    const int G = Hq / Hkv;
+    // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
+    const int G = Hq / Hkv, V = G * Q;
     const int per_token = D / 8, tokens_per_pass = blockDim.x / per_token;
-    float* q_s = smem;                                    // [G][D]
-    float* scores = q_s + G * D;                          // [G][chunk]
-    float* stats = scores + G * chunk;                    // [G][2]: max, sum
-    float* partial = stats + 2 * G;                       // [tokens_per_pass][G][D]
-    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * G * D);  // [chunk]
+    float* q_s = smem;                                    // [V][D]
+    float* scores = q_s + V * D;                          // [V][chunk]
+    float* stats = scores + V * chunk;                    // [V][2]: max, sum
+    float* partial = stats + 2 * V;                       // [tokens_per_pass][V][D]
+    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * V * D);  // [chunk]
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     const int length = lengths[b], start = starts[b];
+    // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
+    auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
     // The tokens are spread over all splits whatever the length (the grid is fixed per cache capacity, so that
     // a captured graph serves every step): span <= chunk, the shared-memory stride, since length <= capacity.
     const int span = (length + splits - 1) / splits;
     const int t0 = split * span, n = max(0, min(length, t0 + span) - t0);
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        q_s[i] = to_float(q[(static_cast<long long>(b) * Hq + kv_head * G + g) * D + d]) * scale_log2;
-    }
+    for (int i = threadIdx.x; i < V * D; i += blockDim.x) q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int t = t0 + i;
         slots[i] = (block_table[b * max_blocks + t / PAGE] * Hkv + kv_head) * PAGE + t % PAGE;
@@ -67,33 +94,33 @@ __global__ void __launch_bounds__(128) paged_decode(
     // Phase 1: scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
     // UNROLL tokens per thread are loaded before any math, so their latencies overlap.
     for (int base = 0; base < n; base += UNROLL * tokens_per_pass) {
-        float k[UNROLL][8];
+        Raw8 k_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass + sub;
-            if (i < n) {
-                load8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset, k[u]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) k[u][e] = 0.0f;
-            }
+            if (i < n) k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset);
+            else k_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass + sub;
-            for (int g = 0; g < G; ++g) {
+            float k[8];
+            raw8_to_float<T, KV_INT8>(k_raw[u], k);
+            for (int g = 0; g < V; ++g) {
                 float dot = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[u][e];
+                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
                 for (int width = per_token / 2; width > 0; width >>= 1)
                     dot += __shfl_xor_sync(0xffffffffu, dot, width);
-                if (offset == 0 && i < n) scores[g * chunk + i] = t0 + i < start ? -TL_INF : dot;
+                // Outside [start, the query token's own position]: left padding, or (Q > 1) a later new token.
+                const int t = t0 + i, last = length - Q + g / G;
+                if (offset == 0 && i < n) scores[g * chunk + i] = t < start || t > last ? -TL_INF : dot;
             }
         }
     }
     __syncthreads();
     // Phase 2: per head, max and sum of exp2; scores become unnormalized probabilities.
-    for (int g = warp; g < G; g += warps) {
+    for (int g = warp; g < V; g += warps) {
         float m = -TL_INF;
         for (int i = lane; i < n; i += 32) m = fmaxf(m, scores[g * chunk + i]);
         m = warp_max(m);
@@ -117,36 +144,38 @@ __global__ void __launch_bounds__(128) paged_decode(
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
     for (int base = sub; base < n; base += UNROLL * tokens_per_pass) {
-        float v[UNROLL][8];
+        Raw8 v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            if (base + u * tokens_per_pass < n) load8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D,
-                                                                  offset, v[u]);
+            if (base + u * tokens_per_pass < n)
+                v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D, offset);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * tokens_per_pass;
             if (i >= n) break;
+            float v[8];
+            raw8_to_float<T, KV_INT8>(v_raw[u], v);
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g < G) {
+                if (g < V) {
                     const float p = scores[g * chunk + i];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[u][e];
+                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
                 }
             }
         }
     }
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < G)
+        if (g < V)
 #pragma unroll
-            for (int e = 0; e < 8; ++e) partial[(sub * G + g) * D + offset + e] = acc[g][e];
+            for (int e = 0; e < 8; ++e) partial[(sub * V + g) * D + offset + e] = acc[g][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
         float o = 0.0f;
-        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * G + g) * D + d];
-        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * V + g) * D + d];
+        const long long row = row_of(g);
         if (splits == 1) {
             out[row * D + d] = from_float<T>(o / stats[2 * g + 1]);
         } else {
@@ -173,9 +202,9 @@ __global__ void __launch_bounds__(128) paged_decode(
     // Per head, the splits' weights 2^(m_i - M) / L go to shared memory (warp per head, lanes over splits; the
     // scores buffer is free now), then every output element sums its splits with their loads in flight together.
     // Partials are read through L2 (__ldcg): other CTAs wrote them.
-    float* weights = scores;  // [G][splits] (splits <= chunk)
-    for (int g = warp; g < G; g += warps) {
-        const float* ml = part_ml + (static_cast<long long>(b) * Hq + kv_head * G + g) * splits * 2;
+    float* weights = scores;  // [V][splits] (splits <= chunk)
+    for (int g = warp; g < V; g += warps) {
+        const float* ml = part_ml + row_of(g) * splits * 2;
         float m = -TL_INF;
         for (int i = lane; i < splits; i += 32) m = fmaxf(m, __ldcg(ml + 2 * i));
         m = warp_max(m);
@@ -190,9 +219,9 @@ __global__ void __launch_bounds__(128) paged_decode(
         for (int i = lane; i < splits; i += 32) weights[g * splits + i] /= l;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
         const int g = idx / D, d = idx % D;
-        const long long row = static_cast<long long>(b) * Hq + kv_head * G + g;
+        const long long row = row_of(g);
         float o = 0.0f;
 #pragma unroll 8
         for (int i = 0; i < splits; ++i) {

@@ -39,6 +39,13 @@ __device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, uns
     return centered_pair<T>(fields, magic_minus);
 }
 
+// The scale bits and zero of group `group` of a row (gi: the row's first group index); symmetric: the midpoint.
+__device__ __forceinline__ void load_group(const QuantMatrix& mat, long long gi, int group, int midpoint,
+                                           unsigned short& scale_bits, int& zero) {
+    scale_bits = __ldg(mat.scales + gi + group);
+    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group)) : midpoint;
+}
+
 // INT3: the high-plane bits of word `word_index` of `row` (a high word covers two low words).
 template <int BITS>
 __device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int row, int words_per_row, int word_index) {
@@ -48,4 +55,28 @@ __device__ __forceinline__ unsigned high_bits_for(const QuantMatrix& mat, int ro
     } else {
         return 0u;
     }
+}
+
+// The matrix a CTA of a fused projection works on: CTAs are assigned to up to three matrices in order, whose
+// outputs are concatenated along the columns of y (QKV); `first_only` (SwiGLU: gate and up share the CTAs' rows)
+// keeps every CTA on matrix 0. `block` is then the CTA's index within its matrix.
+template <typename T>
+struct ProjectionSlot {
+    QuantMatrix mat;
+    const T* bias;
+    int N;
+    int column;
+    int block;
+};
+
+template <typename T>
+__device__ __forceinline__ ProjectionSlot<T> select_projection(int block, int rows_per_cta, bool first_only,
+                                                               QuantMatrix m0, const T* b0, int N0, QuantMatrix m1,
+                                                               const T* b1, int N1, QuantMatrix m2, const T* b2,
+                                                               int N2) {
+    const int blocks0 = (N0 + rows_per_cta - 1) / rows_per_cta, blocks1 = (N1 + rows_per_cta - 1) / rows_per_cta;
+    if (first_only || block < blocks0) return {m0, b0, N0, 0, block};
+    block -= blocks0;
+    if (block < blocks1) return {m1, b1, N1, N0, block};
+    return {m2, b2, N2, N0 + N1, block - blocks1};
 }

@@ -7,6 +7,7 @@ that the pointers a kernel always reads are set, and that the paged-decode grid 
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -24,7 +25,7 @@ KERNELS = Path(loader.__file__).parent
 
 def declared_parameters(file: str, kernel: str) -> int:
     source = (KERNELS / file).read_text()
-    start = re.search(rf"__global__ void(?: __launch_bounds__\([\w *]+\))?\s+{kernel}\s*\(", source).end()
+    start = re.search(rf"__global__ void(?: __launch_bounds__\([^()]+\))?\s+{kernel}\s*\(", source).end()
     depth, commas = 1, 0
     for index, char in enumerate(source[start:]):
         depth += {"(": 1, ")": -1}.get(char, 0)
@@ -40,7 +41,9 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
     monkeypatch.setattr(
-        ops_cuda, "launch", lambda fn, grid, block, args, shared_mem=0: recorded.append((*fn, grid, args, shared_mem))
+        ops_cuda,
+        "launch",
+        lambda fn, grid, block, args, shared_mem=0, dependent=False: recorded.append((*fn, grid, args, shared_mem)),
     )
     return recorded
 
@@ -60,13 +63,15 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
     for batch in (1, 2):  # decode: one row through the CUDA-core GEMV, two through the tensor-core kernel
         cache = PagedTinyLoopCache(model.config, capacity=64)
         ids = torch.randint(1, 256, (batch, 44))
-        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (gathered K/V)
+        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (paged attention, Q = 3)
             model(ids[:, :40], past_key_values=cache, use_cache=True)
             model(ids[:, 40:41], past_key_values=cache, use_cache=True)
             model(ids[:, 41:], past_key_values=cache, use_cache=True)
     kernels = {name.split("<")[0] for _, name, *_ in launches}
     expected = {"dequantize_weight", "gemv_quant", "gemm_quant_mma", "paged_decode", "rope_kv_append", "residual_norm"}
     assert expected <= kernels
+    new_tokens = {int(args[15]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
+    assert new_tokens == {1, 3}  # decode, and the 3-token continuation read from the pages
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
         assert len(args) == declared_parameters(file, kernel), name
@@ -86,22 +91,33 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     splits, _ = ops_cuda.decode_partition(1, kv_heads, heads // kv_heads, dim, cache.storage.capacity)
     names = [name for _, name, *_ in launches]
     kernels = [n.split("<")[0] for n in names]
-    # A loop: the first block's input norm, then per block QKV, RoPE + append, attention (split-KV partials merged
-    # inside paged_decode), O, junction (+ next norm), gate/up, down, junction (+ the next block's input norm).
-    block = ["gemv_quant", "rope_kv_append", "paged_decode", "gemv_quant", "residual_norm", "gemv_quant", "gemv_quant",
-             "residual_norm"]  # fmt: skip
-    loop = ["rms_norm", *block * model.config.num_loop_layers, "rms_norm"]  # Ouro: a final norm after every loop
+    # A loop: the first block's input norm, then per block QKV (from the second block on with the previous block's
+    # last junction in its prologue; RoPE + KV append in its epilogue), attention (split-KV partials merged inside
+    # paged_decode), O, gate/up (with the junction after attention in its prologue), down; the last block's
+    # junction; Ouro's norm.
+    block = ["gemv_quant", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
+    loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
-    per_layer = names[: 1 + len(block)]
-    gate_up = per_layer[-3]
-    assert ", true, " in gate_up and ", true, " not in per_layer[1]  # SwiGLU fused into gate/up
-    layer_launches = launches[: len(per_layer)]
-    qkv = layer_launches[1][3]
+    junction_of = lambda launch: launch[3][-19:-12]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
+    rope_of = lambda launch: launch[3][-12:]  # cos, sin, q, K/V pages, table, positions, widths, layout  # noqa: E731
+    first_qkv, second_qkv = launches[1], launches[1 + len(block)]
+    assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
+    assert all(int(a) != 0 for a in junction_of(second_qkv)[:5]) and int(junction_of(second_qkv)[6]) == 1  # sandwich
+    for qkv_launch in (first_qkv, second_qkv):
+        assert qkv_launch[1].endswith(", true>")  # the RoPE epilogue
+        rope = rope_of(qkv_launch)
+        assert all(int(a) != 0 for a in rope[:7])
+        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]  # rotate_half
+        page_pointers = {t.data_ptr() for pages in cache.storage.pages.values() for t in pages[:2]}
+        assert {int(rope[3]), int(rope[4])} <= page_pointers and int(rope[3]) != int(rope[4])
+    qkv = first_qkv[3]
     assert [int(qkv[8]), int(qkv[14]), int(qkv[20])] == [heads * dim, kv_heads * dim, kv_heads * dim]  # N0, N1, N2
-    rope = layer_launches[2][3]
-    assert all(int(rope[i]) != 0 for i in (0, 1, 2, 3, 4, 5, 8, 9))  # qkv, cos, sin, q, K/V pages, table, positions
-    assert layer_launches[3][2] == (kv_heads, 1, splits)  # paged decode grid
-    assert int(layer_launches[3][3][11]) == cache.storage.split_counters.data_ptr()
+    gate_up_launch = launches[4]
+    assert ", true, " in gate_up_launch[1] and ", true, " not in first_qkv[1]  # SwiGLU fused into gate/up
+    assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
+    assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
+    assert launches[2][2] == (kv_heads, 1, splits)  # paged decode grid
+    assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
 
@@ -153,3 +169,39 @@ def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
     row_bytes = attention.q_proj.in_features * 2  # bf16
     offsets = [int(args[4]) - int(first_qkv[0][4]) for args in first_qkv]
     assert offsets == [0, widths[0] * row_bytes, (widths[0] + widths[1]) * row_bytes]
+
+
+def test_programmatic_launch_structs_match_cuda_h():
+    """CUlaunchAttribute / CUlaunchConfig as cuda.h lays them out (64-bit)."""
+    assert ctypes.sizeof(loader._LaunchAttribute) == 72 and loader._LaunchAttribute.value.offset == 8
+    config = loader._LaunchConfig
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(config) == 56
+
+
+def test_programmatic_launch_passes_the_arguments(monkeypatch):
+    seen = {}
+
+    def fake_launch(config_ref, function, params, extra):
+        config = ctypes.cast(config_ref, ctypes.POINTER(loader._LaunchConfig)).contents
+        attribute = config.attrs[0]
+        seen.update(grid=(config.grid_x, config.grid_y, config.grid_z), block=(config.block_x, config.block_y),
+                    shared=config.shared_mem, stream=config.stream, attribute=(attribute.id, attribute.value),
+                    count=config.num_attrs, function=function)  # fmt: skip
+        seen["args"] = (
+            ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64)).contents.value,
+            ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32)).contents.value,
+            ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float)).contents.value,
+        )
+        return 0
+
+    monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: fake_launch)
+    compiled = type("Function", (), {"ptr": 0xABC})()  # cupy.cuda.function.Function: .ptr is the CUfunction
+    function = type("RawKernel", (), {"kernel": compiled})()
+    args = (np.uint64(2**40 + 5), np.int32(-3), np.float32(0.5))
+    loader._launch_programmatic(function, (7,), (128,), args, 4096, 0x1234)
+    assert seen == {"grid": (7, 1, 1), "block": (128, 1), "shared": 4096, "stream": 0x1234, "attribute": (6, 1),
+                    "count": 1, "function": 0xABC, "args": (2**40 + 5, -3, 0.5)}  # fmt: skip
+    monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: lambda *a: 1)
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        loader._launch_programmatic(function, (1,), (32,), args, 0, 0)

@@ -13,13 +13,13 @@ from tinyloop_hf.kernels import ops_cuda
 from tinyloop_hf.kernels.ptxas_report import compile_log
 
 
-def _compile(file: str, names: list[str]) -> tuple[int, str]:
+def _compile(file: str, names: list[str], arch: str = "compute_80") -> tuple[int, str]:
     try:
         import nvidia.cuda_nvrtc  # noqa: F401
         import nvidia.cuda_runtime  # noqa: F401
     except ImportError:
         pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12; they are missing")
-    return compile_log(file, names)
+    return compile_log(file, names, arch)
 
 
 @pytest.mark.parametrize("file", sorted(ops_cuda.instantiations(full=False)))
@@ -28,6 +28,12 @@ def test_kernel_sources_compile(file):
     assert status == 0, log
 
 
+def test_hopper_only_code_assembles():
+    """The sm_90-only code (programmatic dependent launch, common.cuh) through ptxas, in one GEMV instantiation."""
+    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>"], arch="sm_90")
+    assert status == 0, log
+
+
 def test_a_broken_instantiation_fails_with_the_compiler_log():
-    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1>"])
+    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1, false>"])
     assert status != 0 and "error" in log

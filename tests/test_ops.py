@@ -63,12 +63,13 @@ def test_attn_implementation_eager_gives_the_same_model_output(tmp_path):
         assert torch.allclose(eager(IDS).logits, model(IDS).logits, atol=1e-5)
 
 
-MODULE_OPS = ("linear", "rms_norm", "self_attention", "mlp", "residual_norm")
+MODULE_OPS = ("linear", "rms_norm", "self_attention", "mlp", "residual_norm", "junction_attention", "junction_mlp")
 
 
 def test_a_registered_backend_replaces_every_op_without_model_changes():
     """Modules call these ops with their own backend; the reference composites (self_attention, mlp,
-    residual_norm) are built from the small reference ops (rope, attention, swiglu, rms_norm)."""
+    residual_norm, junction_attention, junction_mlp) are built from the small reference ops (rope, attention,
+    swiglu, rms_norm) and the modules."""
     calls: dict[str, int] = {}
     for name in MODULE_OPS:
         reference = get_op(name, REFERENCE)
@@ -85,7 +86,11 @@ def test_a_registered_backend_replaces_every_op_without_model_changes():
         assert torch.equal(model(IDS).logits, expected)
     assert set(calls) == set(MODULE_OPS)
     layers = 1 + 3 * 2 + 1  # prelude + loops x loop block + coda
-    assert calls["self_attention"] == calls["mlp"] == layers and calls["residual_norm"] == 2 * layers
+    chains = 1 + 3 + 1  # prelude, each loop's pass over the loop block, coda: runs of blocks in sequence
+    # Every block: attention (through junction_attention after a deferred junction) and junction_mlp; the last
+    # junction of a chain's final block is its own residual_norm, the others are deferred to the next block.
+    assert calls["self_attention"] == calls["mlp"] == calls["junction_mlp"] == layers
+    assert calls["junction_attention"] == layers - chains and calls["residual_norm"] == chains
     assert "counting" in backends_of("linear")
 
 

@@ -1,10 +1,10 @@
 """TinyLoopModel / TinyLoopForCausalLM: embed -> prelude -> num_loops x (injection + loop block) -> coda -> head.
 
 Every numeric op goes through ``ops_tinyloop.get_op(name, module.op_backend)``, so a quantized linear or the CUDA
-kernels replace the reference without touching this file. Modules call linear / rms_norm and three block-level ops
-(self_attention, mlp, residual_norm) whose reference versions below are built from the small reference ops
-(rope, attention, swiglu, rms_norm); a backend may fuse them (the CUDA one does). Architectures differ only in
-``TinyLoopConfig``.
+kernels replace the reference without touching this file. Modules call linear / rms_norm and block-level ops
+(self_attention, mlp, residual_norm, junction_attention, junction_mlp) whose reference versions below are built from
+the small reference ops (rope, attention, swiglu, rms_norm); a backend may fuse them (the CUDA one does). Architectures
+differ only in ``TinyLoopConfig``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import exit_distribution, select_states, threshold_exit_steps
-from .ops_tinyloop import REFERENCE, get_op, register_op, rope_angles
+from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
 from .quant_tinyloop import packed_shape_errors
 
 LoopCount = int | Sequence[int] | torch.Tensor
@@ -140,6 +140,14 @@ def reference_mlp(module: TinyLoopMLP, x: torch.Tensor) -> torch.Tensor:
     return module.down_proj(get_op("swiglu", REFERENCE)(module.gate_proj(x), module.up_proj(x)))
 
 
+@dataclass
+class DeferredJunction:
+    """A block's last residual junction, left for the next block to run: the sublayer output and its norm weight."""
+
+    branch: torch.Tensor
+    branch_weight: torch.Tensor | None
+
+
 class TinyLoopBlock(nn.Module):
     """Attention + SwiGLU MLP with the configured norm placement (N1..N4 are Ouro's names)."""
 
@@ -160,17 +168,28 @@ class TinyLoopBlock(nn.Module):
         x: torch.Tensor,
         context: _ForwardContext,
         slot: int,
-        normed: torch.Tensor | None = None,
-        next_norm: TinyLoopRMSNorm | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x -> the block's output. Chained blocks (``TinyLoopModel._run_layers``) hand the input norm over: with
-        ``next_norm`` the last junction also returns next_norm(output), which the next block takes as ``normed``
-        (its input_layernorm(x), one kernel fewer per layer on the CUDA path)."""
-        attn = self.self_attn(self.input_layernorm(x) if normed is None else normed, context, slot)
-        x, h = self._junction(x, attn, getattr(self, "input_layernorm_2", None), self.post_attention_layernorm)
-        mlp = self.mlp(h)
-        x, next_normed = self._junction(x, mlp, getattr(self, "post_attention_layernorm_2", None), next_norm)
-        return x if next_norm is None else (x, next_normed)
+        deferred: DeferredJunction | None = None,
+        defer: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, DeferredJunction]:
+        """x -> the block's output. Chained blocks (``TinyLoopModel._run_layers``) defer the last junction: with
+        ``defer`` the block returns its residual stream before that junction and the junction's branch, and the
+        next block, given them as (x, ``deferred``), runs that junction together with its own input norm and
+        attention (one op, which the CUDA path fuses into the QKV projection)."""
+        eps, mode = self.input_layernorm.eps, self.block_norm
+        if deferred is None:
+            attn = self.self_attn(self.input_layernorm(x), context, slot)
+        else:
+            junction = Junction(x, deferred.branch, deferred.branch_weight, self.input_layernorm.weight, eps, mode)
+            x, attn = get_op("junction_attention", self.op_backend)(self.self_attn, junction, context, slot)
+        branch_norm = getattr(self, "input_layernorm_2", None)
+        branch_weight = branch_norm.weight if branch_norm is not None else None
+        junction = Junction(x, attn, branch_weight, self.post_attention_layernorm.weight, eps, mode)
+        x, mlp = get_op("junction_mlp", self.op_backend)(self.mlp, junction)
+        last_norm = getattr(self, "post_attention_layernorm_2", None)
+        if defer:
+            return x, DeferredJunction(mlp, last_norm.weight if last_norm is not None else None)
+        x, _ = self._junction(x, mlp, last_norm, None)
+        return x
 
     def _junction(
         self, x: torch.Tensor, branch: torch.Tensor, branch_norm: nn.Module | None, next_norm: nn.Module | None
@@ -205,6 +224,24 @@ def reference_residual_norm(
     else:
         total = norm(branch + x, branch_weight, eps)
     return total, norm(total, next_weight, eps) if next_weight is not None else None
+
+
+@register_op("junction_attention", REFERENCE)
+def reference_junction_attention(
+    module: TinyLoopAttention, junction: Junction, context: _ForwardContext, slot: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous block's last junction and attention on its normed output, as one op so that a backend may fuse
+    the junction into the QKV projection: (new residual stream, attention output)."""
+    total, normed = get_op("residual_norm", REFERENCE)(*junction.residual_norm_args())
+    return total, module(normed, context, slot)
+
+
+@register_op("junction_mlp", REFERENCE)
+def reference_junction_mlp(module: TinyLoopMLP, junction: Junction) -> tuple[torch.Tensor, torch.Tensor]:
+    """The junction after attention and the MLP on its normed output, as one op so that a backend may fuse the
+    junction into the MLP's first projection: (new residual stream, MLP output)."""
+    total, normed = get_op("residual_norm", REFERENCE)(*junction.residual_norm_args())
+    return total, module(normed)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -423,16 +460,17 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
     def _run_layers(
         layers: nn.ModuleList, x: torch.Tensor, context: _ForwardContext, slot_of: Callable[[int], int]
     ) -> torch.Tensor:
-        """Blocks in sequence; each one's last junction also applies the next block's input norm (same math as the
-        next block applying it, one op fewer)."""
-        normed = None
+        """Blocks in sequence; each one's last junction is deferred to the next block (same math, fused there with
+        the next block's input norm and QKV projection)."""
+        deferred = None
         for index, layer in enumerate(layers):
             following = layers[index + 1] if index + 1 < len(layers) else None
-            next_norm = following.input_layernorm if following is not None else None
-            if next_norm is not None and next_norm.weight.device != layer.input_layernorm.weight.device:
-                next_norm = None  # a device map split here: the next block normalizes on its own device
-            out = layer(x, context, slot_of(index), normed, next_norm)
-            x, normed = out if next_norm is not None else (out, None)
+            # A device map split between two blocks: the junction stays on this block's device.
+            defer = following is not None and (
+                following.input_layernorm.weight.device == layer.input_layernorm.weight.device
+            )
+            out = layer(x, context, slot_of(index), deferred, defer)
+            x, deferred = out if defer else (out, None)
         return x
 
 

@@ -8,6 +8,7 @@ CUDA kernels) register under their own name; asking for a pair nobody registered
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,6 +66,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Junction:
+    """A block's residual junction as the fused block-level ops take it (see the residual_norm op): the residual
+    stream ``x``, the sublayer output ``branch``, the branch's norm weight (sandwich / post modes), the next
+    sublayer's input-norm weight, eps and mode ("pre", "sandwich", "post_residual")."""
+
+    x: torch.Tensor
+    branch: torch.Tensor
+    branch_weight: torch.Tensor | None
+    next_weight: torch.Tensor
+    eps: float
+    mode: str
+
+    def residual_norm_args(self) -> tuple:
+        return self.x, self.branch, self.branch_weight, self.next_weight, self.eps, self.mode
 
 
 def rope_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

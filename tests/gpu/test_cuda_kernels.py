@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tinyloop_hf import QuantFormat, QuantLinear
-from tinyloop_hf.ops_tinyloop import REFERENCE, get_op
+from helpers import tiny_model
+from tinyloop_hf import QuantFormat, QuantLinear, TinyLoopQuantConfig
+from tinyloop_hf.convert.quantize import quantize_model
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op
 from tinyloop_hf.quant_tinyloop import quantize_rtn
 
 pytestmark = pytest.mark.gpu
@@ -133,9 +135,11 @@ class _Cache:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize(
-    "batch,kv_heads,group,dim,capacity", [(1, 16, 1, 128, 2048), (3, 2, 4, 64, 300), (2, 1, 8, 128, 64)]
-)
-def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity):
+    "batch,kv_heads,group,dim,capacity,new_tokens",
+    [(1, 16, 1, 128, 2048, 1), (3, 2, 4, 64, 300, 1), (2, 1, 8, 128, 64, 1), (1, 16, 1, 128, 2048, 3),
+     (3, 2, 2, 64, 300, 4)],
+)  # fmt: skip
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens):
     from tinyloop_hf.paged_cache import PAGE_SIZE
 
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
@@ -143,13 +147,17 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
     storage.lengths.copy_(lengths)
     storage.starts.copy_(starts)
-    query = torch.randn(batch, kv_heads * group, dim, device="cuda", dtype=dtype)
+    # Q new tokens per row (the last Q positions), each attending causally: [B * Q, Hq, D].
+    query = torch.randn(batch * new_tokens, kv_heads * group, dim, device="cuda", dtype=dtype)
     scale = dim**-0.5
-    out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim)
-    assert ops_cuda.decode_partition(batch, kv_heads, group, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
+    out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
+    out = out.view(batch, new_tokens, -1, dim)
+    vectors = group * new_tokens
+    assert ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
     # The last split of each (row, KV head) merges and resets its counter: a second launch gives the same output.
     assert not storage.split_counters.any()
-    assert torch.equal(ops_cuda.paged_decode(query, _Cache(storage), pages, scale).view(batch, -1, dim), out)
+    again = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
+    assert torch.equal(again.view(batch, new_tokens, -1, dim), out)
     for b in range(batch):
         length, start = int(lengths[b]), int(starts[b])
         blocks = storage.block_table[b, : math.ceil(length / PAGE_SIZE)].long()
@@ -158,11 +166,14 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
             paged = pages[index][blocks].float()
             if int8:
                 paged = paged * pages[index + 2][blocks][..., None]
-            kv.append(paged.permute(1, 0, 2, 3).flatten(1, 2)[:, start:length])  # [Hkv, T, D]
-        k, v = (t.repeat_interleave(group, 0) for t in kv)
-        weights = torch.softmax((query[b].float()[:, None] @ k.transpose(1, 2)) * scale, dim=-1)
-        expected = (weights @ v)[:, 0]
-        assert _relative_error(out[b], expected) <= 1e-2
+            kv.append(paged.permute(1, 0, 2, 3).flatten(1, 2))  # [Hkv, T, D]
+        for j in range(new_tokens):
+            last = length - new_tokens + j  # this token's own position
+            k, v = (t[:, start : last + 1].repeat_interleave(group, 0) for t in kv)
+            q = query.view(batch, new_tokens, -1, dim)[b, j].float()
+            weights = torch.softmax((q[:, None] @ k.transpose(1, 2)) * scale, dim=-1)
+            expected = (weights @ v)[:, 0]
+            assert _relative_error(out[b, j], expected) <= 1e-2, (b, j)
 
 
 def test_sampling_kernel_greedy_and_gumbel():
@@ -180,5 +191,29 @@ def test_sampling_kernel_greedy_and_gumbel():
 
 
 def test_compile_error_names_the_kernel():
-    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1>.*\n"):
-        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1>")
+    with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1, false>.*\n"):
+        kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1, false>")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,mode", [("llama", "pre"), ("ouro", "sandwich"), ("huginn", "post_residual")])
+def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode):
+    model = tiny_model(variant, hidden_size=512, intermediate_size=1024)
+    quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=64), progress=False)
+    model = model.to(device="cuda", dtype=dtype)
+    block = model.model.loop_layers[0]
+    assert block.block_norm == mode
+    branch_norm = getattr(block, "input_layernorm_2", None)
+    for rows in (1, 3):  # one decode row: junction in the gate/up GEMV prologue; more: junction kernel + MLP
+        x, branch = (torch.randn(rows, 1, 512, device="cuda", dtype=dtype) for _ in range(2))
+        junction = Junction(x, branch, branch_norm.weight if branch_norm is not None else None,
+                            block.post_attention_layernorm.weight, 1e-6, mode)  # fmt: skip
+        model.set_op_backend(REFERENCE)
+        want_total, want_out = get_op("junction_mlp", REFERENCE)(block.mlp, junction)
+        model.set_op_backend("cuda")
+        total, out = get_op("junction_mlp", "cuda")(block.mlp, junction)
+        assert total.shape == want_total.shape and out.shape == want_out.shape
+        assert _relative_error(total, want_total) <= (1e-2 if dtype == torch.bfloat16 else 2e-3), rows
+        assert _relative_error(out, want_out) <= 3e-2, rows
+        unfused_total, _ = ops_cuda.residual_norm(*junction.residual_norm_args())
+        assert _relative_error(total, unfused_total) <= 1e-2, rows
