@@ -1,5 +1,6 @@
 """Where a decode step's time goes on the CUDA path (Ouro-1.4B shape): GPU time of one graph replay, of one eager
-step, and the kernels of the eager step ranked by total time (torch.profiler / CUPTI sees the CuPy kernels too).
+step, generate()'s wall time per token against the graph's (the rest is host time the GPU waits for), and the kernels
+of the eager step ranked by total time (torch.profiler / CUPTI sees the CuPy kernels too).
 
     python -m tinyloop_hf.eval.profile_decode --bits 4 --batch 1 --loops 4
 """
@@ -27,6 +28,20 @@ def gpu_ms(fn, repeats: int = 10) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def generate_ms_per_token(model: TinyLoopForCausalLM, ids: torch.Tensor) -> float:
+    """Wall time per decoded token of plain greedy generate(), prefill excluded (difference of two lengths)."""
+
+    def wall(tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    wall(8)
+    return (min(wall(72) for _ in range(2)) - min(wall(8) for _ in range(2))) / 64 * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=4)
@@ -35,13 +50,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument(
-        "--no-programmatic-launch", action="store_true", help="capture plain launches (A/B of kernels/loader.py)"
+        "--programmatic-launch", action="store_true", help="capture programmatic launches (A/B of kernels/loader.py)"
     )
     args = parser.parse_args()
-    if args.no_programmatic_launch:
+    if args.programmatic_launch:
         from tinyloop_hf.kernels import loader
 
-        loader.PROGRAMMATIC_LAUNCH = False
+        loader.PROGRAMMATIC_LAUNCH = True
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = TinyLoopForCausalLM(ouro_config(args.loops, 4096)).to(torch.bfloat16).eval()
@@ -63,6 +78,16 @@ def main() -> None:
             model(step, past_key_values=cache, use_cache=True)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - wall) / 10 * 1000
+        host = time.perf_counter()  # the GPU runs behind: this is the host time of one forward call
+        for _ in range(10):
+            model(step, past_key_values=cache, use_cache=True)
+        host = (time.perf_counter() - host) / 10 * 1000
+        torch.cuda.synchronize()
+        per_token = generate_ms_per_token(model, ids)
+        print(
+            f"generate(): {per_token:.2f} ms per token = graph {replay:.2f} + {per_token - replay:.2f} ms the GPU "
+            f"waits for the host (of which our forward's host time: {host:.2f} ms)"
+        )
         path.use_graphs = False
         eager = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
         print(f"decode step: graph replay {replay:.2f} ms GPU ({wall:.2f} ms wall), eager {eager:.2f} ms")
