@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -40,6 +41,32 @@ def generate_ms_per_token(model: TinyLoopForCausalLM, ids: torch.Tensor) -> floa
 
     wall(8)
     return (min(wall(72) for _ in range(2)) - min(wall(8) for _ in range(2))) / 64 * 1000
+
+
+def ttft_breakdown(model: TinyLoopForCausalLM, ids: torch.Tensor) -> str:
+    """generate(max_new_tokens=1) wall time against the prefill forward alone (wall and GPU time)."""
+    kwargs = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def best_wall(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times) * 1000
+
+    def prefill() -> None:
+        model(ids, past_key_values=model.new_cache(2 * ids.shape[1]), use_cache=True, logits_to_keep=1)
+
+    generate = best_wall(lambda: model.generate(ids, **kwargs))
+    forward = best_wall(prefill)
+    gpu = gpu_ms(prefill, repeats=5)
+    return (
+        f"TTFT: generate(max_new_tokens=1) {generate:.2f} ms wall; the prefill forward alone "
+        f"{forward:.2f} ms wall, {gpu:.2f} ms between CUDA events"
+    )
 
 
 def main() -> None:
@@ -88,6 +115,7 @@ def main() -> None:
             f"generate(): {per_token:.2f} ms per token = graph {replay:.2f} + {per_token - replay:.2f} ms the GPU "
             f"waits for the host (of which our forward's host time: {host:.2f} ms)"
         )
+        print(ttft_breakdown(model, ids))
         path.use_graphs = False
         eager = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
         print(f"decode step: graph replay {replay:.2f} ms GPU ({wall:.2f} ms wall), eager {eager:.2f} ms")
