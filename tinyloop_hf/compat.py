@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 
 from transformers import GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # 5.24 renamed the cache everywhere: the output field generate() reads back, and the kwarg it passes to forward().
@@ -16,6 +17,11 @@ GENERATE_CACHE_KEY = (
     "cache"
     if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     else "past_key_values"
+)
+
+# ... and the cache field of generate()'s output classes.
+GENERATE_OUTPUT_CACHE_FIELD = (
+    "cache" if "cache" in {field.name for field in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 )
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import GENERATE_CACHE_KEY
+from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
 LOOP_GENERATION_FIELDS = ("num_loops", "exit_threshold", "exit_at_step", "use_weighted_exit")
@@ -26,9 +27,12 @@ class TinyLoopGenerationMixin(GenerationMixin):
         if kwargs.get("assistant_early_exit") is not None:
             raise ValueError(
                 "assistant_early_exit truncates layers inside each loop of a looped model and is not supported; "
-                "self-speculative decoding by loop depth is planned as the draft_loops generation field"
+                "draft with fewer loops through the draft_loops generation field instead (self-speculative decoding)"
             )
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        for field in SPECULATION_FIELDS:  # decoding settings, not forward() arguments: kept on the call's config
+            if model_kwargs.get(field) is not None:
+                setattr(generation_config, field, model_kwargs.pop(field))
         for field in LOOP_GENERATION_FIELDS:
             value = getattr(generation_config, field, None)
             if value is not None and model_kwargs.get(field) is None:
@@ -36,7 +40,35 @@ class TinyLoopGenerationMixin(GenerationMixin):
         if isinstance(model_kwargs.get("num_loops"), (list, tuple)):
             # A tensor is expanded with the batch for beams / num_return_sequences; a list would not be.
             model_kwargs["num_loops"] = torch.tensor(model_kwargs["num_loops"], dtype=torch.long)
+        loops = full_depth(self, model_kwargs)
+        check_speculation_fields(generation_config, loops.tolist() if isinstance(loops, torch.Tensor) else loops,
+                                 self.config.max_loops)  # fmt: skip
         return generation_config, model_kwargs
+
+    def _sample(
+        self,
+        input_ids: torch.LongTensor,
+        logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer: Any = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """Greedy and sampling decoding; self-speculative when the draft_loops generation field is set."""
+        if getattr(generation_config, "draft_loops", None) is None:
+            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
+        if synced_gpus:
+            raise ValueError("draft_loops does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
+        return self_speculative_sample(
+            self, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+        )
+
+    def _get_candidate_generator(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
+        if getattr(generation_config, "draft_loops", None) is not None:
+            raise ValueError("draft_loops drafts with the model itself; do not pass an assistant_model as well")
+        return super()._get_candidate_generator(generation_config, *args, **kwargs)
 
     def _prepare_cache_for_generation(
         self, generation_config: GenerationConfig, model_kwargs: dict[str, Any], *args: Any, **kwargs: Any

@@ -416,12 +416,16 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         loops_per_row: torch.Tensor | None,
         position_ids: torch.Tensor,
         keep_states: bool,
+        first_loop: int = 0,
+        state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Run the loop block; rows whose depth is reached keep their state (their extra work is discarded)."""
-        state = self._initial_state(loop_input, position_ids)
+        """Run the loop block (from ``first_loop`` with ``state``, or from the start); rows whose depth is reached
+        keep their state (their extra work is discarded)."""
+        if state is None:
+            state = self._initial_state(loop_input, position_ids)
         states: list[torch.Tensor] = []
         gates: list[torch.Tensor] = []
-        for loop in range(total_loops):
+        for loop in range(first_loop, total_loops):
             x = self._inject(state, loop_input)
             x = self._run_layers(
                 self.loop_layers, x, context, lambda index, loop=loop: _slot(context.cache, "loop", index, loop)
@@ -434,6 +438,31 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             if keep_states:
                 states.append(state)
         return state, states, gates
+
+    def resume(
+        self,
+        loop_input: torch.Tensor,
+        state: torch.Tensor,
+        first_loop: int,
+        total_loops: int,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: TinyLoopCache,
+        past_length: int,
+    ) -> torch.Tensor:
+        """Last hidden states of tokens whose prelude and loops < ``first_loop`` already ran (a self-speculative
+        verify resumes the draft's work): ``loop_input`` and ``state`` [B, S, H] are their loop input and state
+        after ``first_loop`` loops. Runs loops first_loop..total_loops-1 and the coda; the cache's slots of those
+        loops and of the coda hold ``past_length`` tokens, to which these S are appended."""
+        batch, length = state.shape[:2]
+        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
+        mask, is_causal = _attention_mask(attention_mask, past_length, length, batch, state.device)
+        context = _ForwardContext(cos, sin, mask, is_causal, cache, past_length)
+        cache.begin_step(batch, length, attention_mask, state)
+        state, _, _ = self._run_loops(loop_input, context, total_loops, None, position_ids, False, first_loop, state)
+        hidden = self.finish(state, context)
+        cache.end_step()
+        return hidden
 
     def _inject(self, state: torch.Tensor, loop_input: torch.Tensor) -> torch.Tensor:
         if self.config.input_injection == "linear_concat":

@@ -1,0 +1,327 @@
+"""Self-speculative decoding for looped models: draft with fewer loops, verify with all of them.
+
+Turned on by the generation field ``draft_loops`` (``generate(draft_loops=2)`` or ``generation_config.draft_loops``);
+``num_draft_tokens`` is a number or "adaptive" (start at 4; +2 after a round where every draft was accepted, -1
+otherwise; between 1 and 16). It serves the modes transformers runs through ``_sample`` (greedy and sampling).
+
+A round, with ``x`` the last token (not yet in the cache) and P tokens cached at full depth in every slot:
+1. Draft: x, d_1, ..., d_k each run through the prelude, loops < draft_loops and the coda (one token per forward);
+   d_1..d_k are chosen from the processed draft logits. Their K/V of the prelude and of those loops are what the
+   full-depth model computes for the same tokens (a loop only reads its own and earlier loops), so they stay.
+2. Verify: the draft's coda K/V (computed from a shallower state) are dropped; the k + 1 positions resume from the
+   draft's loop input and state at loops draft_loops..L-1 and the coda in one forward.
+3. Accept: greedy keeps drafts while they equal the verifier's choice, then the verifier's token; sampling accepts
+   d_i with probability min(1, p_i(d_i) / q_i(d_i)) on the processed distributions, resamples a rejection from
+   norm(max(0, p - q)), and adds a bonus token from p when all k were accepted (Leviathan et al. 2023): the output
+   distribution is exactly that of plain decoding. In a batch every row emits as many tokens as the row that
+   accepted the fewest (an accepted draft is a valid sample of its position, so this stays exact); the cache is
+   cropped to what was emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache_tinyloop import TinyLoopCache
+from .compat import GENERATE_CACHE_KEY, GENERATE_OUTPUT_CACHE_FIELD
+
+SPECULATION_FIELDS = ("draft_loops", "num_draft_tokens")
+ADAPTIVE = "adaptive"
+ADAPTIVE_START, ADAPTIVE_MAX = 4, 16
+
+
+@dataclass
+class SpeculationStats:
+    """What the last self-speculative generate() did (``model.speculation_stats``)."""
+
+    draft_loops: int
+    full_loops: int
+    rounds: int = 0
+    drafted: int = 0  # draft tokens proposed, summed over the rows still generating
+    accepted: int = 0  # of those, accepted by the verifier (before the batch's shortest acceptance is applied)
+    emitted: int = 0  # tokens appended per row, summed over rounds (the first token after the prompt excluded)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+
+def full_depth(model: Any, model_kwargs: dict[str, Any]) -> Any:
+    """The verifier's loop count: the num_loops generation field, else the config's."""
+    loops = model_kwargs.get("num_loops")
+    return model.config.num_loops if loops is None else loops
+
+
+def check_speculation_fields(generation_config: GenerationConfig, full_loops: Any, max_loops: int) -> None:
+    """Fail when generate() starts: the field, its value and what is allowed."""
+    draft_loops = getattr(generation_config, "draft_loops", None)
+    draft_tokens = getattr(generation_config, "num_draft_tokens", None)
+    if draft_loops is None:
+        if draft_tokens is not None:
+            raise ValueError("num_draft_tokens needs draft_loops (the draft depth), which turns speculation on")
+        return
+    if not isinstance(full_loops, int) or isinstance(full_loops, bool):
+        raise ValueError(
+            f"draft_loops needs one num_loops for every row (an integer), got num_loops={full_loops!r}; "
+            f"run rows of different depths in separate generate() calls"
+        )
+    if not isinstance(draft_loops, int) or isinstance(draft_loops, bool) or not 1 <= draft_loops <= full_loops:
+        raise ValueError(
+            f"draft_loops must be an integer in [1, num_loops={full_loops}] (max_loops={max_loops}), "
+            f"got {draft_loops!r}"
+        )
+    adaptive = draft_tokens is None or draft_tokens == ADAPTIVE
+    if not adaptive and (not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1):
+        raise ValueError(f"num_draft_tokens must be a positive integer or {ADAPTIVE!r}, got {draft_tokens!r}")
+    if generation_config.num_beams != 1:
+        raise ValueError(f"draft_loops needs num_beams=1 (self-speculation drafts one sequence per row), got "
+                         f"num_beams={generation_config.num_beams}")  # fmt: skip
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
+        raise ValueError("draft_loops and prompt_lookup_num_tokens are two drafting methods; set one of them")
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError("draft_loops does not return attentions or hidden states; unset output_attentions / "
+                         "output_hidden_states")  # fmt: skip
+
+
+def self_speculative_sample(
+    model: Any,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    streamer: Any,
+    model_kwargs: dict[str, Any],
+) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    cache = model_kwargs.get(GENERATE_CACHE_KEY)
+    _check_model_kwargs(model, cache, model_kwargs)
+    full_loops = full_depth(model, model_kwargs)
+    draft_loops = generation_config.draft_loops
+    draft_tokens = getattr(generation_config, "num_draft_tokens", None)
+    adaptive = draft_tokens is None or draft_tokens == ADAPTIVE
+    k_now = ADAPTIVE_START if adaptive else draft_tokens
+    stats = SpeculationStats(draft_loops=draft_loops, full_loops=full_loops)
+    model.speculation_stats = stats
+
+    do_sample = generation_config.do_sample
+    pad = generation_config._pad_token_tensor
+    has_eos = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    want_scores = generation_config.return_dict_in_generate and generation_config.output_scores
+    want_logits = generation_config.return_dict_in_generate and generation_config.output_logits
+    scores: tuple = ()
+    raw_logits: tuple = ()
+    mask = model_kwargs.get("attention_mask")
+    batch = input_ids.shape[0]
+    unfinished = torch.ones(batch, dtype=torch.long, device=input_ids.device)
+
+    # Prefill at full depth (tokens already in a given cache are skipped, as generate() does).
+    cached = cache.get_seq_length()
+    logits = model(input_ids=input_ids[:, cached:], attention_mask=mask, past_key_values=cache, use_cache=True,
+                   num_loops=full_loops, logits_to_keep=1).logits[:, -1].float()  # fmt: skip
+
+    def emit(tokens: torch.Tensor, processed: torch.Tensor, raw: torch.Tensor) -> bool:
+        """Append one token per row as _sample does; True when every row has stopped."""
+        nonlocal input_ids, mask, unfinished, scores, raw_logits
+        if has_eos:
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=-1)
+        if want_scores:
+            scores += (processed,)
+        if want_logits:
+            raw_logits += (raw,)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores if want_scores else None)
+        return bool(unfinished.max() == 0)
+
+    processed = logits_processor(input_ids, logits)
+    done = emit(_choose(processed, do_sample), processed, logits)
+    while not done:
+        k = max(0, min(k_now, generation_config.max_length - input_ids.shape[1] - 1))
+        past = cache.get_seq_length()  # P: every slot holds the same tokens between rounds
+        drafts, draft_probs, loop_inputs, states = _draft(
+            model, input_ids, mask, cache, logits_processor, k, draft_loops, do_sample
+        )
+        verify_raw = _verify(model, cache, mask, input_ids.shape[1], past, k, loop_inputs, states, draft_loops,
+                             full_loops)  # fmt: skip
+        # Processed target scores at each of the k + 1 positions, on the prefix that position sees.
+        prefix = torch.cat([input_ids, drafts], dim=-1)
+        verify_scores = torch.stack(
+            [logits_processor(prefix[:, : input_ids.shape[1] + i], verify_raw[:, i]) for i in range(k + 1)], dim=1
+        )
+        row_accepts, final = _accept(drafts, draft_probs, verify_scores, do_sample)
+        active = unfinished.bool()
+        accepted = int(row_accepts[active].min()) if bool(active.any()) else 0
+        stats.rounds += 1
+        stats.drafted += k * int(active.sum())
+        stats.accepted += int(row_accepts[active].sum())
+        stats.draft_lengths.append(k)
+        emitted = 0
+        for i in range(accepted + 1):
+            # Position i: the draft where this row accepted it (rows accepting more than the batch's shortest
+            # acceptance), the correction / bonus token where the row's acceptance ends here.
+            if i < accepted:
+                token = drafts[:, i]
+            elif i < k:
+                token = torch.where(row_accepts > i, drafts[:, i], final[i])
+            else:
+                token = final[i]
+            emitted += 1
+            done = emit(token, verify_scores[:, i], verify_raw[:, i])
+            if done:
+                break
+        stats.emitted += emitted
+        # Keep x and the emitted tokens but the last (plain decoding caches all but the newest token).
+        cache.crop(-(k + 1 - emitted))
+        if adaptive:
+            k_now = min(k_now + 2, ADAPTIVE_MAX) if accepted == k else max(k_now - 1, 1)
+
+    if streamer is not None:
+        streamer.end()
+    if not generation_config.return_dict_in_generate:
+        return input_ids
+    return GenerateDecoderOnlyOutput(
+        sequences=input_ids,
+        scores=scores if want_scores else None,
+        logits=raw_logits if want_logits else None,
+        **{GENERATE_OUTPUT_CACHE_FIELD: cache},
+    )
+
+
+def _check_model_kwargs(model: Any, cache: Any, model_kwargs: dict[str, Any]) -> None:
+    from .paged_cache import PagedTinyLoopCache
+
+    if not isinstance(cache, TinyLoopCache):
+        raise ValueError("draft_loops needs the KV cache (use_cache=True): drafts and verifier share it")
+    if isinstance(cache, PagedTinyLoopCache):
+        raise ValueError(
+            "draft_loops is not supported on the CUDA path yet (its paged cache keeps one length per row, and "
+            "self-speculation needs shallow and deep loop slots of different lengths); use the reference path "
+            "(model.use_reference_path()) for self-speculative decoding"
+        )
+    for name in ("exit_threshold", "exit_at_step", "use_weighted_exit"):
+        if model_kwargs.get(name):
+            raise ValueError(f"draft_loops verifies at a fixed depth and cannot be combined with {name}")
+    if model.config.exit_threshold is not None:
+        raise ValueError(
+            "draft_loops verifies at a fixed depth, but this model's config sets exit_threshold="
+            f"{model.config.exit_threshold} (adaptive exit); set model.config.exit_threshold = None to speculate"
+        )
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("draft_loops needs input_ids (not inputs_embeds)")
+
+
+def _choose(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    if do_sample:
+        return torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1)
+    return processed.argmax(dim=-1)
+
+
+def _draft(
+    model: Any,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: TinyLoopCache,
+    logits_processor: LogitsProcessorList,
+    k: int,
+    draft_loops: int,
+    do_sample: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
+    """k draft tokens [B, k] (and their processed probabilities [B, k, V] when sampling); the loop input and state
+    after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft)."""
+    batch = input_ids.shape[0]
+    token = input_ids[:, -1:]
+    prefix = input_ids
+    drafts: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    loop_inputs: list[torch.Tensor] = []
+    states: list[torch.Tensor] = []
+    for i in range(k + 1):
+        if mask is not None:
+            step_mask = torch.cat([mask, mask.new_ones(batch, i)], dim=-1)
+        out = model.model(input_ids=token, attention_mask=step_mask if mask is not None else None, cache=cache,
+                          use_cache=True, num_loops=draft_loops, output_hidden_states=True)  # fmt: skip
+        loop_inputs.append(out.hidden_states[0])
+        states.append(out.hidden_states[-1])
+        if i == k:
+            break
+        processed = logits_processor(prefix, model.lm_head(out.last_hidden_state[:, -1]).float())
+        if do_sample:
+            probs.append(torch.softmax(processed, dim=-1))
+            token = torch.multinomial(probs[-1], num_samples=1)
+        else:
+            token = processed.argmax(dim=-1, keepdim=True)
+        drafts.append(token)
+        prefix = torch.cat([prefix, token], dim=-1)
+    draft_ids = torch.cat(drafts, dim=-1) if drafts else input_ids.new_empty(batch, 0)
+    return draft_ids, torch.stack(probs, dim=1) if probs else None, loop_inputs, states
+
+
+def _verify(
+    model: Any,
+    cache: TinyLoopCache,
+    mask: torch.Tensor | None,
+    length: int,
+    past: int,
+    k: int,
+    loop_inputs: list[torch.Tensor],
+    states: list[torch.Tensor],
+    draft_loops: int,
+    full_loops: int,
+) -> torch.Tensor:
+    """Raw target logits [B, k + 1, V] (fp32) of x, d_1, ..., d_k, resuming the draft at loop draft_loops."""
+    base = model.model
+    for index in range(base.config.num_coda_layers):  # computed from the draft's shallower state
+        cache.layers[cache.slot_index("coda", index)].crop(-(k + 1))
+    batch = loop_inputs[0].shape[0]
+    if mask is not None:
+        mask = torch.cat([mask, mask.new_ones(batch, k)], dim=-1)  # x is the last column of the current mask
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -(k + 1) :]
+    else:
+        positions = torch.arange(length - 1, length + k, device=loop_inputs[0].device)[None]
+    hidden = base.resume(torch.cat(loop_inputs, dim=1), torch.cat(states, dim=1), draft_loops, full_loops, positions,
+                         mask, cache, past)  # fmt: skip
+    return model.lm_head(hidden).float()
+
+
+def _accept(
+    drafts: torch.Tensor, draft_probs: torch.Tensor | None, verify_scores: torch.Tensor, do_sample: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(accepted drafts per row [B], final[i] = the row's token at position i if its acceptance ends there)."""
+    batch, k = drafts.shape
+    positions = range(k + 1)
+    if not do_sample:
+        target = verify_scores.argmax(dim=-1)  # [B, k + 1]
+        matches = (drafts == target[:, :k]).long()
+        row_accepts = matches.cumprod(dim=-1).sum(dim=-1) if k else drafts.new_zeros(batch)
+        return row_accepts, [target[:, i] for i in positions]
+    p = torch.softmax(verify_scores, dim=-1)  # [B, k + 1, V]
+    if k:
+        q = draft_probs
+        p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+        q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+        accept = torch.rand_like(p_draft) * q_draft < p_draft
+        row_accepts = accept.long().cumprod(dim=-1).sum(dim=-1)
+    else:
+        row_accepts = drafts.new_zeros(batch)
+    final = []
+    for i in positions:
+        if i < k:  # a rejection at i: the residual distribution norm(max(0, p - q)), or p where p == q
+            residual = (p[:, i] - q[:, i]).clamp(min=0)
+            total = residual.sum(dim=-1, keepdim=True)
+            residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[:, i])
+            final.append(torch.multinomial(residual, num_samples=1).squeeze(1))
+        else:  # every draft accepted: a bonus token from p
+            final.append(torch.multinomial(p[:, i], num_samples=1).squeeze(1))
+    return row_accepts, final
