@@ -74,8 +74,9 @@ def test_cache_holds_what_plain_decoding_holds():
     assert len(spec.scores) == len(plain.scores) == 9
     for mine, theirs in zip(spec.scores, plain.scores, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
-    plain_cache, spec_cache = plain.past_key_values if hasattr(plain, "past_key_values") else plain.cache, (
-        spec.past_key_values if hasattr(spec, "past_key_values") else spec.cache
+    plain_cache, spec_cache = (
+        plain.past_key_values if hasattr(plain, "past_key_values") else plain.cache,
+        (spec.past_key_values if hasattr(spec, "past_key_values") else spec.cache),
     )
     assert len(spec_cache.layers) == len(plain_cache.layers)
     for mine, theirs in zip(spec_cache.layers, plain_cache.layers, strict=True):
