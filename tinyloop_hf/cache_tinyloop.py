@@ -39,8 +39,23 @@ class TinyLoopKVLayer(CacheLayerMixin):
         self._refresh_views()
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args: Any,
+        rows: torch.Tensor | None = None,
+        batch: int | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append K/V [B, H_kv, S, D]; with ``rows`` (indices into a batch of ``batch`` rows) only those rows computed
+        this step: the others get zeros here, which fill_rows() replaces. Returns the (selected rows') K/V."""
+        if rows is not None:
+            full = (batch, *key_states.shape[1:])
+            keys, values = self.update(
+                key_states.new_zeros(full).index_copy(0, rows, key_states),
+                value_states.new_zeros(full).index_copy(0, rows, value_states),
+            )
+            return keys[rows], values[rows]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new_length = self.length + key_states.shape[-2]
@@ -91,6 +106,15 @@ class TinyLoopKVLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
 
+    def fill_rows(self, source: TinyLoopKVLayer, rows: torch.Tensor, start: int, steps: int) -> None:
+        """Positions [start, start + steps) of ``rows`` become ``source``'s (a loop the tokens skipped reuses the
+        K/V of the last loop they computed); a slot this step did not reach is first extended to start + steps."""
+        if self.length == start:
+            zeros = source.keys[:, :, start : start + steps]
+            self.update(torch.zeros_like(zeros), torch.zeros_like(zeros))
+        for mine, theirs in ((self._key_buffer, source._key_buffer), (self._value_buffer, source._value_buffer)):
+            mine[rows, :, start : start + steps] = theirs[rows, :, start : start + steps]
+
     def crop(self, tokens_to_remove: int) -> None:
         """Zero or negative: drop that many trailing tokens. Positive (transformers < 5.24 style): keep that many."""
         keep = self.length + tokens_to_remove if tokens_to_remove <= 0 else min(tokens_to_remove, self.length)
@@ -123,6 +147,9 @@ class TinyLoopKVLayer(CacheLayerMixin):
 
 class TinyLoopCache(Cache):
     """KV cache with one slot per (stage, loop, layer); pass it as ``past_key_values`` (or ``cache``)."""
+
+    supports_row_subsets = True  # rows of a batch may stop looping early (their skipped loops reuse K/V)
+    fill_deeper_loops = True  # a step with fewer loops than the cache holds fills the deeper slots (KV policy)
 
     def __init__(self, config: TinyLoopConfig) -> None:
         super().__init__(layers=[])
@@ -159,12 +186,15 @@ class TinyLoopCache(Cache):
         layer_idx: int,
         *args: Any,
         past_length: int | None = None,
+        rows: torch.Tensor | None = None,
+        batch: int | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append K/V [B, H_kv, S, D] to slot ``layer_idx``; return the slot's whole K/V.
 
         ``past_length`` (the tokens the caller believes are cached) turns a silent mismatch into an error, e.g.
-        a later call asking for more loops than the cache was filled with.
+        a later call asking for more loops than the cache was filled with. ``rows``: only these rows of a batch of
+        ``batch`` computed this step (see fill_skipped_loops).
         """
         while len(self.layers) <= layer_idx:
             self.layers.append(TinyLoopKVLayer())
@@ -175,7 +205,25 @@ class TinyLoopCache(Cache):
                 f"{past_length}: earlier tokens were run with fewer loops than this call's num_loops. Keep num_loops "
                 f"fixed while a cache is in use, or start a new cache."
             )
-        return layer.update(key_states, value_states)
+        return layer.update(key_states, value_states, rows=rows, batch=batch)
+
+    def fill_skipped_loops(
+        self, last_loop: torch.Tensor, first_loop: int, total_loops: int, start: int, steps: int
+    ) -> None:
+        """KV policy for loops a row skipped this step (it exited early, its depth was reached, or the step ran
+        fewer loops than the cache holds): positions [start, start + steps) of every loop slot after the row's
+        ``last_loop`` [B] reuse that loop's K/V. Loops past the step's ``total_loops`` are filled only while
+        ``fill_deeper_loops`` (a self-speculative draft leaves them to its verifier)."""
+        depth = self.loops_cached() if self.fill_deeper_loops else total_loops
+        for loop in range(first_loop, depth):
+            skipped = last_loop < loop
+            if not bool(skipped.any()):
+                continue
+            for source_loop in last_loop[skipped].unique().tolist():
+                rows = ((last_loop == source_loop) & skipped).nonzero().squeeze(1)
+                for layer in range(self.num_loop_layers):
+                    target = self.layers[self.slot_index("loop", layer, loop)]
+                    target.fill_rows(self.layers[self.slot_index("loop", layer, source_loop)], rows, start, steps)
 
     def describe_slot(self, index: int) -> str:
         if index < self.num_prelude_layers:

@@ -101,6 +101,7 @@ class CudaPath:
             and config.exit_threshold is None
             and arguments.get("exit_at_step") is None
             and not arguments.get("use_weighted_exit")
+            and arguments.get("early_exit") is None
             and not arguments.get("output_hidden_states")
         )
         if not plain:

@@ -17,7 +17,10 @@ from .compat import GENERATE_CACHE_KEY
 from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
-LOOP_GENERATION_FIELDS = ("num_loops", "exit_threshold", "exit_at_step", "use_weighted_exit")
+SCHEDULE_FIELDS = ("warmup_tokens", "warmup_loops")
+LOOP_GENERATION_FIELDS = (
+    "num_loops", "exit_threshold", "exit_at_step", "use_weighted_exit", "early_exit", "early_exit_threshold"
+)  # fmt: skip
 
 
 class TinyLoopGenerationMixin(GenerationMixin):
@@ -30,8 +33,8 @@ class TinyLoopGenerationMixin(GenerationMixin):
                 "draft with fewer loops through the draft_loops generation field instead (self-speculative decoding)"
             )
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
-        for field in SPECULATION_FIELDS:  # decoding settings, not forward() arguments: kept on the call's config
-            if model_kwargs.get(field) is not None:
+        for field in SPECULATION_FIELDS + SCHEDULE_FIELDS:  # decoding settings, not forward() arguments: kept on
+            if model_kwargs.get(field) is not None:  # the call's config
                 setattr(generation_config, field, model_kwargs.pop(field))
         for field in LOOP_GENERATION_FIELDS:
             value = getattr(generation_config, field, None)
@@ -41,9 +44,50 @@ class TinyLoopGenerationMixin(GenerationMixin):
             # A tensor is expanded with the batch for beams / num_return_sequences; a list would not be.
             model_kwargs["num_loops"] = torch.tensor(model_kwargs["num_loops"], dtype=torch.long)
         loops = full_depth(self, model_kwargs)
-        check_speculation_fields(generation_config, loops.tolist() if isinstance(loops, torch.Tensor) else loops,
-                                 self.config.max_loops)  # fmt: skip
+        loops = loops.tolist() if isinstance(loops, torch.Tensor) else loops
+        check_speculation_fields(generation_config, loops, self.config.max_loops)
+        schedule = self._loop_schedule(generation_config, loops)
+        if schedule is not None:
+            model_kwargs["loop_schedule"] = schedule
         return generation_config, model_kwargs
+
+    def _loop_schedule(self, generation_config: GenerationConfig, full_loops: Any) -> dict[str, Any] | None:
+        """warmup_tokens / warmup_loops: the first warmup_tokens generated tokens are decoded at warmup_loops loops
+        (the prompt itself runs every loop; the first token is read from its state at warmup_loops), the rest at
+        full depth. Loops a warm-up token skipped reuse its last computed loop's K/V."""
+        tokens = getattr(generation_config, "warmup_tokens", None)
+        loops = getattr(generation_config, "warmup_loops", None)
+        if tokens is None and loops is None:
+            return None
+        if tokens is None or loops is None:
+            raise ValueError("a loop schedule needs both warmup_tokens and warmup_loops")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"warmup_tokens must be a non-negative integer, got {tokens!r}")
+        if not isinstance(full_loops, int):
+            raise ValueError(f"warmup_loops needs one num_loops for every row (an integer), got {full_loops!r}")
+        if not isinstance(loops, int) or isinstance(loops, bool) or not 1 <= loops <= full_loops:
+            raise ValueError(f"warmup_loops must be an integer in [1, num_loops={full_loops}], got {loops!r}")
+        if getattr(generation_config, "draft_loops", None) is not None:
+            raise ValueError("warmup_tokens / warmup_loops cannot be combined with draft_loops")
+        if getattr(self, "_cuda_path", None) is not None:
+            raise ValueError("warmup_tokens / warmup_loops are not supported on the CUDA path yet (its paged cache "
+                             "needs every loop of every token); use the reference path")  # fmt: skip
+        return {"tokens": tokens, "loops": loops, "prompt_length": None}
+
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.LongTensor, *args: Any, loop_schedule: dict[str, Any] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        if loop_schedule is not None:
+            if loop_schedule["prompt_length"] is None:
+                loop_schedule["prompt_length"] = input_ids.shape[1]
+            generated = input_ids.shape[1] - loop_schedule["prompt_length"]
+            if generated < loop_schedule["tokens"]:
+                if generated == 0:  # the prompt runs every loop; its first token is read at the warm-up depth
+                    inputs["exit_at_step"] = loop_schedule["loops"] - 1
+                else:
+                    inputs["num_loops"] = loop_schedule["loops"]
+        return inputs
 
     def _sample(
         self,

@@ -10,7 +10,7 @@ differ only in ``TinyLoopConfig``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from .cache_tinyloop import TinyLoopCache
 from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig
 from .generation_tinyloop import TinyLoopGenerationMixin
-from .loop_exit import exit_distribution, select_states, threshold_exit_steps
+from .loop_exit import EarlyExit, check_early_exit, exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
 from .quant_tinyloop import packed_shape_errors
 
@@ -32,18 +32,22 @@ LoopCount = int | Sequence[int] | torch.Tensor
 @dataclass
 class TinyLoopModelOutput(BaseModelOutputWithPast):
     """``hidden_states``: (loop input, state after loop 1, ..., state after loop T) when requested.
-    ``exit_probabilities`` [B, S, T] and ``gate_logits`` [B, S, T]: the exit gate's distribution over loops."""
+    ``exit_probabilities`` [B, S, T] and ``gate_logits`` [B, S, T]: the exit gate's distribution over loops.
+    ``loops_run`` [B]: loops each row computed in this call (with early_exit; otherwise None)."""
 
     exit_probabilities: torch.Tensor | None = None
     gate_logits: torch.Tensor | None = None
+    loops_run: torch.Tensor | None = None
 
 
 @dataclass
 class TinyLoopCausalLMOutput(CausalLMOutputWithPast):
-    """CausalLMOutputWithPast plus the exit gate's distribution over loops ([B, S, T] each)."""
+    """CausalLMOutputWithPast plus the exit gate's distribution over loops ([B, S, T] each) and, with early_exit,
+    the loops each row computed ([B])."""
 
     exit_probabilities: torch.Tensor | None = None
     gate_logits: torch.Tensor | None = None
+    loops_run: torch.Tensor | None = None
 
 
 @dataclass
@@ -56,6 +60,13 @@ class _ForwardContext:
     is_causal: bool
     cache: TinyLoopCache | None
     past_length: int
+    rows: torch.Tensor | None = None  # the batch rows this context serves (None: all of them)
+    batch: int = 0  # rows in the whole batch
+
+    def select(self, rows: torch.Tensor) -> _ForwardContext:
+        """The context of a subset of the batch's rows (rows that are still looping)."""
+        mask = self.mask if self.mask is None or self.mask.shape[0] == 1 else self.mask[rows]
+        return replace(self, cos=self.cos[rows], sin=self.sin[rows], mask=mask, rows=rows, batch=self.cos.shape[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -115,7 +126,9 @@ def reference_self_attention(
     query = rope(query, context.cos, context.sin, module.config.rope_layout)
     key = rope(key, context.cos, context.sin, module.config.rope_layout)
     if context.cache is not None:
-        key, value = context.cache.update(key, value, slot, past_length=context.past_length)
+        key, value = context.cache.update(
+            key, value, slot, past_length=context.past_length, rows=context.rows, batch=context.batch
+        )
     implementation = "eager" if module.config._attn_implementation == "eager" else "sdpa"
     out = get_op("attention", REFERENCE)(
         query, key, value, context.mask, context.is_causal, module.scaling, implementation
@@ -361,7 +374,12 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         exit_threshold: float | None = None,
         exit_at_step: int | None = None,
         cache: TinyLoopCache | None = None,
+        early_exit: str | EarlyExit | None = None,
+        early_exit_threshold: float | None = None,
     ) -> TinyLoopModelOutput | tuple:
+        """``early_exit`` ("gate", "state_delta", "kl"; see loop_exit.EarlyExit) with ``early_exit_threshold``: at
+        decode steps each row stops looping when its criterion is met, and the loops it skipped reuse its last
+        computed loop's K/V (prompts run every loop). Rows past their ``num_loops`` stop computing as well."""
         cache = _resolve_cache(past_key_values, cache, use_cache, self.new_cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -386,7 +404,10 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         if threshold is not None and not self.config.exit_gate:
             raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
         keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
-        state, states, gates = self._run_loops(hidden, context, total_loops, loops_per_row, position_ids, keep_states)
+        rule = self._early_exit_rule(early_exit, early_exit_threshold, threshold, exit_at_step, cache, length)
+        state, states, gates, loops_run = self._run_loops(
+            hidden, context, total_loops, loops_per_row, position_ids, keep_states, exit_rule=rule
+        )
 
         probabilities = exit_distribution(gates, loops_per_row) if gates else None
         if exit_at_step is not None:
@@ -404,6 +425,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             hidden_states=hidden_states,
             exit_probabilities=probabilities,
             gate_logits=gate_logits,
+            loops_run=loops_run if rule is not None else None,
             **{CACHE_OUTPUT_FIELD: cache},
         )
         return output if return_dict is not False else output.to_tuple()
@@ -418,26 +440,81 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         keep_states: bool,
         first_loop: int = 0,
         state: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Run the loop block (from ``first_loop`` with ``state``, or from the start); rows whose depth is reached
-        keep their state (their extra work is discarded)."""
+        exit_rule: EarlyExit | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Run the loop block (from ``first_loop`` with ``state``, or from the start): (state, states kept, gate
+        logits per loop, loops each row computed [B]). A row stops computing once its
+        depth is reached or ``exit_rule`` says so, and keeps its state; with a cache, the loop slots it skipped
+        (up to the cache's depth) reuse its last computed loop's K/V. A cache that cannot serve row subsets (the
+        paged one) makes every row compute every loop, rows past their depth discarding the result."""
         if state is None:
             state = self._initial_state(loop_input, position_ids)
+        cache, batch = context.cache, state.shape[0]
+        subsets = cache is None or cache.supports_row_subsets
+        running = torch.ones(batch, dtype=torch.bool, device=state.device)
+        last_loop = torch.full((batch,), total_loops - 1, dtype=torch.long, device=state.device)
         states: list[torch.Tensor] = []
         gates: list[torch.Tensor] = []
+        previous = state
         for loop in range(first_loop, total_loops):
-            x = self._inject(state, loop_input)
-            x = self._run_layers(
-                self.loop_layers, x, context, lambda index, loop=loop: _slot(context.cache, "loop", index, loop)
-            )
-            if self.config.final_norm == "every_loop":
-                x = self.norm(x)
-            state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
+            all_rows = bool(running.all())
+            if all_rows or not subsets:
+                x = self._loop_pass(state, loop_input, context, loop)
+                state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
+            elif bool(running.any()):
+                rows = running.nonzero().squeeze(1)
+                x = self._loop_pass(state[rows], loop_input[rows], context.select(rows), loop)
+                state = state.index_copy(0, rows, x)
             if self.config.exit_gate:
                 gates.append(self.exit_gate(state).squeeze(-1))
             if keep_states:
                 states.append(state)
-        return state, states, gates
+            if not subsets:
+                continue
+            stop = torch.zeros_like(running)
+            if loops_per_row is not None:
+                stop |= loop + 1 >= loops_per_row
+            if exit_rule is not None and loop < total_loops - 1:
+                stop |= exit_rule.exits(loop, state, previous, gates[-1] if gates else None)
+            last_loop = torch.where(stop & running, torch.full_like(last_loop, loop), last_loop)
+            running = running & ~stop
+            previous = state
+        if cache is not None and subsets:
+            cache.fill_skipped_loops(last_loop, first_loop, total_loops, context.past_length, loop_input.shape[1])
+        return state, states, gates, last_loop + 1
+
+    def _loop_pass(
+        self, state: torch.Tensor, loop_input: torch.Tensor, context: _ForwardContext, loop: int
+    ) -> torch.Tensor:
+        x = self._inject(state, loop_input)
+        x = self._run_layers(
+            self.loop_layers, x, context, lambda index, loop=loop: _slot(context.cache, "loop", index, loop)
+        )
+        return self.norm(x) if self.config.final_norm == "every_loop" else x
+
+    def _early_exit_rule(
+        self, early_exit: Any, threshold: Any, exit_threshold: Any, exit_at_step: Any, cache: Any, length: int
+    ) -> EarlyExit | None:
+        """The rule of a decode step (one token per row); prompts run every loop."""
+        if early_exit is None:
+            if threshold is not None:
+                raise ValueError("early_exit_threshold needs early_exit (one of 'gate', 'state_delta', 'kl')")
+            return None
+        if not isinstance(early_exit, EarlyExit):
+            check_early_exit(early_exit, threshold, self.config.exit_gate)
+        if length != 1:
+            return None
+        if exit_threshold is not None or exit_at_step is not None:
+            raise ValueError("early_exit stops loops per token; it cannot be combined with exit_threshold (which "
+                             "computes every loop and selects a state) or exit_at_step")  # fmt: skip
+        if cache is not None and not cache.supports_row_subsets:
+            raise ValueError("early_exit is not supported on the CUDA path yet (its paged cache runs every row "
+                             "through every loop); use the reference path (model.use_reference_path())")  # fmt: skip
+        if isinstance(early_exit, EarlyExit):
+            return early_exit
+        if early_exit == "kl":
+            raise ValueError("early_exit='kl' reads next-token distributions: call TinyLoopForCausalLM")
+        return EarlyExit(early_exit, float(threshold))
 
     def resume(
         self,
@@ -459,7 +536,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         mask, is_causal = _attention_mask(attention_mask, past_length, length, batch, state.device)
         context = _ForwardContext(cos, sin, mask, is_causal, cache, past_length)
         cache.begin_step(batch, length, attention_mask, state)
-        state, _, _ = self._run_loops(loop_input, context, total_loops, None, position_ids, False, first_loop, state)
+        state, *_ = self._run_loops(loop_input, context, total_loops, None, position_ids, False, first_loop, state)
         hidden = self.finish(state, context)
         cache.end_step()
         return hidden
@@ -530,6 +607,8 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         exit_at_step: int | None = None,
         use_weighted_exit: bool | None = None,
         cache: TinyLoopCache | None = None,
+        early_exit: str | None = None,
+        early_exit_threshold: float | None = None,
         **loss_kwargs: Any,
     ) -> TinyLoopCausalLMOutput | tuple:
         r"""Causal LM forward.
@@ -537,6 +616,8 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         num_loops: loop depth for this call, an int or one value per row (rows then equal running each alone).
         exit_at_step: 0-based loop whose state feeds the head. exit_threshold: per token, the first loop whose
         cumulative exit probability reaches it (exit-gate models). use_weighted_exit: logits = sum_t p_t head(s_t).
+        early_exit ("gate", "state_delta", "kl") with early_exit_threshold: decode steps stop looping per row when
+        the criterion is met, saving the remaining loops (see loop_exit.EarlyExit and TinyLoopModel.forward).
         Selection priority: exit_at_step > exit_threshold > use_weighted_exit > config.exit_threshold > last loop;
         with ``labels`` and an exit gate the default is the weighted (expected) logits, as in Ouro's training.
         The cache is taken as ``past_key_values`` or ``cache`` and returned under the name the installed
@@ -565,6 +646,8 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             exit_threshold=exit_threshold,
             exit_at_step=exit_at_step,
             cache=cache,
+            early_exit=self._early_exit(early_exit, early_exit_threshold),
+            early_exit_threshold=early_exit_threshold,
         )
         keep = _positions_to_keep(logits_to_keep)
         if weighted:
@@ -580,6 +663,7 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             hidden_states=outputs.hidden_states if output_hidden_states else None,
             exit_probabilities=outputs.exit_probabilities,
             gate_logits=outputs.gate_logits,
+            loops_run=outputs.loops_run,
             **{CACHE_OUTPUT_FIELD: getattr(outputs, CACHE_OUTPUT_FIELD)},
         )
         return output if return_dict is not False else output.to_tuple()
@@ -593,6 +677,16 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
             return None
         key = path.graph_key(input_ids, cache, arguments)
         return None if key is None else path.run(key, input_ids, attention_mask, position_ids, cache)
+
+    def _early_exit(self, criterion: Any, threshold: Any) -> str | EarlyExit | None:
+        """The "kl" criterion reads next-token distributions from loop states (final norm + head)."""
+        if criterion != "kl":
+            return criterion
+        check_early_exit(criterion, threshold, self.config.exit_gate)
+        every_loop = self.config.final_norm == "every_loop"
+        return EarlyExit(
+            "kl", float(threshold), lambda state: self.lm_head(state if every_loop else self.model.norm(state))
+        )
 
     def _weighted_exit(
         self, use_weighted_exit: bool | None, labels: Any, exit_at_step: int | None, exit_threshold: float | None

@@ -89,6 +89,8 @@ class PagedTinyLoopCache(TinyLoopCache):
     """TinyLoopCache in paged mode. ``capacity``: tokens per row reserved up front (grows when exceeded, except while
     a CUDA graph uses the storage); ``kv_dtype``: "auto" (model dtype) or "int8"."""
 
+    supports_row_subsets = False  # every row of a step computes every loop (rows past their depth keep their state)
+
     def __init__(
         self,
         config: TinyLoopConfig,

@@ -210,7 +210,7 @@ def _check_model_kwargs(model: Any, cache: Any, model_kwargs: dict[str, Any]) ->
             "self-speculation needs shallow and deep loop slots of different lengths); use the reference path "
             "(model.use_reference_path()) for self-speculative decoding"
         )
-    for name in ("exit_threshold", "exit_at_step", "use_weighted_exit"):
+    for name in ("exit_threshold", "exit_at_step", "use_weighted_exit", "early_exit"):
         if model_kwargs.get(name):
             raise ValueError(f"draft_loops verifies at a fixed depth and cannot be combined with {name}")
     if model.config.exit_threshold is not None:
@@ -240,6 +240,23 @@ def _draft(
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     """k draft tokens [B, k] (and their processed probabilities [B, k, V] when sampling); the loop input and state
     after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft)."""
+    cache.fill_deeper_loops = False  # the verifier computes the deeper loops of these tokens
+    try:
+        return _draft_tokens(model, input_ids, mask, cache, logits_processor, k, draft_loops, do_sample)
+    finally:
+        cache.fill_deeper_loops = True
+
+
+def _draft_tokens(
+    model: Any,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: TinyLoopCache,
+    logits_processor: LogitsProcessorList,
+    k: int,
+    draft_loops: int,
+    do_sample: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     batch = input_ids.shape[0]
     token = input_ids[:, -1:]
     prefix = input_ids
