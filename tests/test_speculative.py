@@ -10,6 +10,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from helpers import VARIANTS, tiny_model
 from tinyloop_hf import TinyLoopForCausalLM
+from tinyloop_hf.compat import GENERATE_CACHE_KEY
 from tinyloop_hf.embedded import embedded_model_path
 from tinyloop_hf.paged_cache import PagedTinyLoopCache
 
@@ -199,4 +200,4 @@ def test_paged_cache_is_refused_with_the_reason():
     model = tiny_model("ouro")
     cache = PagedTinyLoopCache(model.config, capacity=64)
     with pytest.raises(ValueError, match="not supported on the CUDA path yet"):
-        model.generate(PROMPTS[:1], max_new_tokens=3, draft_loops=1, past_key_values=cache)
+        model.generate(PROMPTS[:1], max_new_tokens=3, draft_loops=1, **{GENERATE_CACHE_KEY: cache})

@@ -14,6 +14,12 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import GENERATE_CACHE_KEY
+from .constraints.constrained import (
+    CONSTRAINT_FIELDS,
+    ConstrainedLogitsProcessor,
+    compiled_constraint,
+    constraint_pattern,
+)
 from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
@@ -33,9 +39,10 @@ class TinyLoopGenerationMixin(GenerationMixin):
                 "draft with fewer loops through the draft_loops generation field instead (self-speculative decoding)"
             )
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
-        for field in SPECULATION_FIELDS + SCHEDULE_FIELDS:  # decoding settings, not forward() arguments: kept on
-            if model_kwargs.get(field) is not None:  # the call's config
+        for field in SPECULATION_FIELDS + SCHEDULE_FIELDS + CONSTRAINT_FIELDS:  # decoding settings, not forward()
+            if model_kwargs.get(field) is not None:  # arguments: kept on the call's config
                 setattr(generation_config, field, model_kwargs.pop(field))
+        constraint_pattern(generation_config)  # an invalid regex / schema / choices list fails here
         for field in LOOP_GENERATION_FIELDS:
             value = getattr(generation_config, field, None)
             if value is not None and model_kwargs.get(field) is None:
@@ -50,6 +57,42 @@ class TinyLoopGenerationMixin(GenerationMixin):
         if schedule is not None:
             model_kwargs["loop_schedule"] = schedule
         return generation_config, model_kwargs
+
+    def _extract_generation_mode_kwargs(self, custom_generate: Any, kwargs: dict[str, Any], *args: Any) -> Any:
+        # generate(tokenizer=...) is taken here, before the logits processors are built: keep it for the constraint.
+        self._generate_tokenizer = kwargs.get("tokenizer")
+        return super()._extract_generation_mode_kwargs(custom_generate, kwargs, *args)
+
+    def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
+        """The constraint (regex / json_schema / choices) runs first among the user's processors: before the
+        sampling warpers, so top-k / top-p only see allowed tokens."""
+        processor = self._constraint_processor(generation_config)
+        if processor is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([processor, *(kwargs.get("logits_processor") or [])])
+        return super()._get_logits_processor(generation_config, *args, **kwargs)
+
+    def _constraint_processor(self, generation_config: GenerationConfig) -> ConstrainedLogitsProcessor | None:
+        pattern = constraint_pattern(generation_config)
+        tokenizer, self._generate_tokenizer = getattr(self, "_generate_tokenizer", None), None
+        if pattern is None:
+            return None
+        if tokenizer is None:
+            tokenizer = self._own_tokenizer()
+        eos = generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, self.config.vocab_size))
+
+    def _own_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        source = getattr(self, "name_or_path", "") or ""
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                "regex / json_schema / choices need the tokenizer: pass generate(tokenizer=...) (this model has no "
+                f"tokenizer files at {source!r})"
+            ) from error
 
     def _loop_schedule(self, generation_config: GenerationConfig, full_loops: Any) -> dict[str, Any] | None:
         """warmup_tokens / warmup_loops: the first warmup_tokens generated tokens are decoded at warmup_loops loops
@@ -77,6 +120,8 @@ class TinyLoopGenerationMixin(GenerationMixin):
     def prepare_inputs_for_generation(
         self, input_ids: torch.LongTensor, *args: Any, loop_schedule: dict[str, Any] | None = None, **kwargs: Any
     ) -> dict[str, Any]:
+        for name in ("tokenizer", "assistant_tokenizer"):  # generate() hands these to the decoding loop, not forward
+            kwargs.pop(name, None)
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         if loop_schedule is not None:
             if loop_schedule["prompt_length"] is None:

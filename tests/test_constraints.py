@@ -1,0 +1,187 @@
+"""Constrained decoding: the regex engine against Python's re, JSON schema -> regex, token masks on a real 49k
+vocabulary, and regex / json_schema / choices through generate() (greedy, sampling, batches, beams, speculation)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+from tinyloop_hf import embedded_model_path
+from tinyloop_hf.constraints import ByteDFA, RegexError, SchemaError, schema_to_regex
+from tinyloop_hf.constraints.constrained import ConstrainedLogitsProcessor, compiled_constraint
+
+PATTERNS = [
+    r'"[^"\\\x00-\x1f]*"',  # a JSON string's characters, without escapes
+    r"\d{3}-\d{4}",
+    r"(cat|dog)s?",
+    r"[A-Z][a-z]+ [^0-9]+",
+    r"h.llo",
+    r"a{2,3}b*",
+    r"(?:ab|c)+\.?",
+    r"[\w.]+@x\.io",
+]
+TEXTS = ["555-1234", "5551234", "cat", "dogs", "cats!", "Hello wörld", "Hello 1", "héllo", "h\nllo", "aa", "aaaa",
+         "aabbb", "abcab.", "abc..", "a.b@x.io", "@x.io", "", '"a b"', '"a\nb"', '"a\\b"']  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_engine_agrees_with_python_re(pattern):
+    dfa = ByteDFA(pattern)
+    for text in TEXTS:
+        assert dfa.fullmatch(text.encode()) == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
+@pytest.mark.parametrize(
+    "pattern, problem",
+    [("a(b", "'(' without ')'"), ("a)b", "unbalanced"), ("*a", "nothing to repeat"), ("^a", "anchors are implicit"),
+     ("a{3,1}", "low <= high"), (r"\bx", "unsupported escape"), ("(?=a)", "lookaround"), ("[z-a]", "bad range"),
+     ("a+?", "lazy")],
+)  # fmt: skip
+def test_bad_patterns_name_the_position_and_problem(pattern, problem):
+    with pytest.raises(RegexError, match=re.escape(problem)):
+        ByteDFA(pattern)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "score": {"type": ["number", "null"]},
+    },
+    "required": ["name", "age"],
+}
+
+
+def test_json_schema_regex_accepts_valid_and_rejects_invalid_documents():
+    dfa = ByteDFA(schema_to_regex(SCHEMA))
+    valid = ['{"name":"Bob","age":42}', '{ "name": "Al", "age": -1, "tags": ["a", "b"] }',
+             '{"name":"x","age":0,"tags":[],"score":null}', '{"name":"\\u00e9","age":3,"score":-1.5e3}']  # fmt: skip
+    invalid = ['{"name":"Bob"}', '{"age":1,"name":"x"}', '{"name":"Bob","age":042}',
+               '{"name":"x","age":1,"tags":["c"]}', '{"name":"123456789","age":1}',
+               '{"name":"x","age":1,"tags":["a","a","a"]}']  # fmt: skip
+    for text in valid:
+        json.loads(text)
+        assert dfa.fullmatch(text.encode()), text
+    for text in invalid:
+        assert not dfa.fullmatch(text.encode()), text
+
+
+@pytest.mark.parametrize(
+    "schema, problem",
+    [({"type": "object", "$ref": "#/x"}, r"unsupported keyword\(s\) \['\$ref'\]"), ({"type": "tuple"}, "type must be"),
+     ("{not json", "not valid JSON"), ({"type": "array"}, "arrays need items")],
+)  # fmt: skip
+def test_bad_schemas_fail_with_the_keyword(schema, problem):
+    with pytest.raises(SchemaError, match=problem):
+        schema_to_regex(schema)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    path = embedded_model_path()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+PROMPT = "KING. My lord, the answer is"
+
+
+def _text(tokenizer, output, prompt_length):
+    return tokenizer.decode(output[prompt_length:], skip_special_tokens=True)
+
+
+def test_regex_choices_and_schema_through_generate(embedded):
+    model, tokenizer = embedded
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    n = ids.shape[1]
+    out = model.generate(ids, max_new_tokens=30, do_sample=False, tokenizer=tokenizer, regex=r" (yes|no), my lord\.")
+    assert re.fullmatch(r" (yes|no), my lord\.", _text(tokenizer, out[0], n))
+    assert int(out[0, -1]) == tokenizer.eos_token_id  # end-of-sequence once the pattern is complete
+    choices = [" Hamlet", " Ophelia", " the King"]
+    out = model.generate(ids, max_new_tokens=10, do_sample=False, tokenizer=tokenizer, choices=choices)
+    assert _text(tokenizer, out[0], n) in choices
+    out = model.generate(ids, max_new_tokens=60, do_sample=False, tokenizer=tokenizer, json_schema=SCHEMA)
+    document = json.loads(_text(tokenizer, out[0], n))
+    assert isinstance(document["name"], str) and isinstance(document["age"], int)
+
+
+def test_sampling_batches_beams_and_speculation_stay_inside_the_pattern(embedded):
+    model, tokenizer = embedded
+    pattern = r" [a-z]+ (and|or) [a-z]+\."
+    tokenizer.padding_side = "left"
+    batch = tokenizer([PROMPT, "HAMLET. I say", "It was the"], return_tensors="pt", padding=True)
+    n = batch.input_ids.shape[1]
+    torch.manual_seed(0)
+    runs = {
+        "sample": model.generate(**batch, max_new_tokens=24, do_sample=True, tokenizer=tokenizer, regex=pattern),
+        "beams": model.generate(**batch, max_new_tokens=24, num_beams=3, do_sample=False, tokenizer=tokenizer,
+                                regex=pattern),
+        "speculative": model.generate(**batch, max_new_tokens=24, do_sample=False, tokenizer=tokenizer, regex=pattern,
+                                      draft_loops=1, num_draft_tokens=3),
+    }  # fmt: skip
+    for name, out in runs.items():
+        for row in out:
+            assert re.fullmatch(pattern, _text(tokenizer, row, n)), (name, _text(tokenizer, row, n))
+    plain = model.generate(**batch, max_new_tokens=24, do_sample=False, tokenizer=tokenizer, regex=pattern)
+    assert torch.equal(runs["speculative"], plain)  # greedy self-speculation equals plain decoding under a constraint
+
+
+def test_constraint_from_generation_config_and_pipeline(embedded, tmp_path):
+    model, tokenizer = embedded
+    model.generation_config.choices = [" yes", " no"]
+    try:
+        model.save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert reloaded.generation_config.choices == [" yes", " no"]
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        out = reloaded.generate(ids, max_new_tokens=5, do_sample=False)  # the checkpoint's own tokenizer files
+        assert _text(tokenizer, out[0], ids.shape[1]) in (" yes", " no")
+        generator = pipeline("text-generation", model=reloaded, tokenizer=tokenizer)
+        text = generator(PROMPT, max_new_tokens=5, do_sample=False, return_full_text=False)[0]["generated_text"]
+        assert text in (" yes", " no")
+    finally:
+        del model.generation_config.choices
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [(dict(regex="a(b"), "'(' without ')'"), (dict(json_schema={"type": "tuple"}), "type must be"),
+     (dict(choices=[]), "choices must be a non-empty list"), (dict(regex="a", choices=["a"]), "set one of")],
+)  # fmt: skip
+def test_invalid_constraints_fail_when_generate_starts(embedded, kwargs, problem):
+    model, tokenizer = embedded
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        model.generate(tokenizer("x", return_tensors="pt").input_ids, max_new_tokens=2, tokenizer=tokenizer, **kwargs)
+
+
+def test_masks_cover_exactly_the_tokens_that_keep_the_text_matchable(embedded):
+    _, tokenizer = embedded
+    pattern = r" (yes|no), my lord\."
+    compiled = compiled_constraint(pattern, tokenizer, [tokenizer.eos_token_id], 49152)
+    processor = ConstrainedLogitsProcessor(compiled)
+    prefix = tokenizer(" yes,", return_tensors="pt").input_ids
+    processor.prompt_length = 0
+    allowed = processor(prefix, torch.zeros(1, 49152))[0].isfinite().nonzero().squeeze(1).tolist()
+    dfa = ByteDFA(pattern)
+    state = dfa.walk(dfa.start, b" yes,")
+    expected = [i for i, piece in enumerate(compiled.pieces) if piece and dfa.walk(state, piece) != ByteDFA.DEAD]
+    assert allowed == sorted(expected) and allowed  # eos is not allowed: " yes," does not match yet
+
+
+def test_a_cached_state_reuses_its_mask(embedded):
+    """Per-token overhead once masks exist is measured by eval/constraint_overhead.py (no timing in unit tests):
+    here, a repeated prefix builds no new mask and gives the same result."""
+    _, tokenizer = embedded
+    compiled = compiled_constraint(r" (yes|no), my lord\.", tokenizer, [tokenizer.eos_token_id], 49152)
+    processor = ConstrainedLogitsProcessor(compiled)
+    prefix = tokenizer(" no, my", return_tensors="pt").input_ids
+    processor.prompt_length = 0
+    first = processor(prefix, torch.zeros(1, 49152))
+    masks = len(compiled._row_of_state)
+    assert torch.equal(processor(prefix, torch.zeros(1, 49152)), first) and len(compiled._row_of_state) == masks

@@ -1,0 +1,221 @@
+"""Token-level constrained decoding: a logits processor that allows only tokens keeping the output inside a pattern.
+
+The automaton state of a row is a function of the tokens generated so far (memoized by prefix), never of the
+processor's call history: rolled-back speculative drafts, beams that swap rows and finished rows cost nothing. Per
+state, the allowed tokens are found once by walking a byte trie of the vocabulary through the DFA (dead branches are
+pruned), stored as a packed int32 bitmask row on the model's device, and applied with a gather, an unpack and a fill.
+End-of-sequence is allowed only in accepting states (and is the only choice where the pattern cannot continue).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from .json_schema import schema_to_regex
+from .regex_automaton import ByteDFA, literal_pattern
+
+CONSTRAINT_FIELDS = ("regex", "json_schema", "choices")
+_FINISHED = -2  # a row that already emitted end-of-sequence: any token (generate() pads it anyway)
+
+
+def constraint_pattern(generation_config: Any) -> str | None:
+    """The regex of the constraint fields of a generation config (None without one); invalid ones fail here."""
+    given = {name: getattr(generation_config, name, None) for name in CONSTRAINT_FIELDS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"set one of regex, json_schema, choices; got {sorted(given)}")
+    name, value = next(iter(given.items()))
+    if name == "regex":
+        if not isinstance(value, str):
+            raise ValueError(f"regex must be a string, got {type(value).__name__}")
+        pattern = value
+    elif name == "json_schema":
+        pattern = schema_to_regex(value)
+    else:
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"choices must be a non-empty list of non-empty strings, got {value!r}")
+        pattern = "(?:" + "|".join(literal_pattern(choice) for choice in value) + ")"
+    ByteDFA(pattern)  # parse now: a bad pattern fails when generate() starts
+    return pattern
+
+
+def vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
+    """The bytes each token id adds to the text (None for special tokens, which constrained text never contains)."""
+    vocabulary = tokenizer.get_vocab()
+    size = max(vocabulary.values()) + 1
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
+    table: list[bytes | None] = [None] * size
+    for piece, index in vocabulary.items():
+        if index in special:
+            continue
+        if byte_level is not None:
+            try:
+                table[index] = bytes(byte_level[char] for char in piece)
+            except KeyError:
+                table[index] = piece.encode()
+        elif piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # SentencePiece byte fallback
+            table[index] = bytes([int(piece[3:5], 16)])
+        else:
+            table[index] = piece.replace("\u2581", " ").encode()
+    return table
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and "ByteLevel" in type(backend.decoder).__name__ + str(backend.decoder)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte table (the inverse of what the ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    characters, extra = printable[:], 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            characters.append(256 + extra)
+            extra += 1
+    return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
+
+
+class _Trie:
+    """Token byte strings sharing prefixes: node = (children by byte, token ids ending here)."""
+
+    def __init__(self, pieces: list[bytes | None]) -> None:
+        self.root: tuple[dict, list] = ({}, [])
+        for index, piece in enumerate(pieces):
+            if not piece:
+                continue
+            node = self.root
+            for byte in piece:
+                node = node[0].setdefault(byte, ({}, []))
+            node[1].append(index)
+
+
+class CompiledConstraint:
+    """A pattern's DFA against one vocabulary, with the packed mask of every automaton state met so far. Shared by
+    the generate() calls of the same (pattern, vocabulary, end-of-sequence ids): masks are built once."""
+
+    def __init__(self, pattern: str, pieces: list[bytes | None], eos_token_ids: list[int], vocab_size: int) -> None:
+        self.dfa = ByteDFA(pattern)
+        self.pieces, self.eos = pieces, [i for i in eos_token_ids if i is not None]
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._trie = _Trie(pieces)
+        self._row_of_state: dict[int, int] = {}
+        self._packed: torch.Tensor | None = None  # [states seen, words] int32, on the device of the last use
+        self._bits_of_byte: torch.Tensor | None = None
+
+    def mask_row(self, state: int) -> int:
+        """Row of ``state``'s packed mask (built on first use)."""
+        row = self._row_of_state.get(state)
+        if row is None:
+            row = self._add_mask(state)
+        return row
+
+    def _add_mask(self, state: int) -> int:
+        allowed = torch.zeros(self.words * 32, dtype=torch.bool)
+        if state == _FINISHED:
+            allowed[: self.vocab_size] = True
+        elif state == ByteDFA.DEAD:
+            raise ValueError("constrained decoding reached text outside the pattern (a token was forced by another "
+                             "processor); the constraint cannot continue")  # fmt: skip
+        else:
+            tokens = self._allowed_tokens(state)
+            if tokens:
+                allowed[torch.tensor(tokens)] = True
+            if self.dfa.accepts(state):
+                allowed[self.eos] = True
+            elif not tokens:
+                raise ValueError(f"no token of the vocabulary can continue the pattern {self.dfa.pattern!r} here "
+                                 f"(the text so far is a dead end for this tokenizer)")  # fmt: skip
+        # 32 tokens per int32 word, token 32 w + i at bit i (little-endian bytes, as the unpacking table reads them).
+        packed = (allowed.view(self.words, 32).to(torch.int64) << torch.arange(32)).sum(dim=1).to(torch.int32)[None]
+        if self._packed is None:
+            self._packed = packed
+            self._bits_of_byte = (torch.arange(256)[:, None] >> torch.arange(8) & 1).bool()
+        else:
+            self._packed = torch.cat([self._packed, packed.to(self._packed.device)])
+        self._row_of_state[state] = self._packed.shape[0] - 1
+        return self._packed.shape[0] - 1
+
+    def _allowed_tokens(self, state: int) -> list[int]:
+        found: list[int] = []
+        stack = [(self._trie.root, state)]
+        step = self.dfa.step
+        while stack:
+            (children, _), at = stack.pop()
+            for byte, child in children.items():
+                following = step(at, byte)
+                if following != ByteDFA.DEAD:
+                    found.extend(child[1])
+                    if child[0]:
+                        stack.append((child, following))
+        return found
+
+    def packed_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed masks [states, words] int32 and the byte -> 8 flags table, on ``device``."""
+        if self._packed.device != device:
+            self._packed, self._bits_of_byte = self._packed.to(device), self._bits_of_byte.to(device)
+        return self._packed, self._bits_of_byte
+
+
+_COMPILED: dict[tuple, CompiledConstraint] = {}
+_VOCABULARIES: dict[int, tuple[Any, list[bytes | None]]] = {}
+MAX_COMPILED = 16
+
+
+def compiled_constraint(pattern: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> CompiledConstraint:
+    """The shared CompiledConstraint of these arguments (the vocabulary's bytes are read once per tokenizer)."""
+    held = _VOCABULARIES.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        held = _VOCABULARIES[id(tokenizer)] = (tokenizer, vocabulary_bytes(tokenizer))
+    key = (pattern, id(tokenizer), tuple(eos_token_ids), vocab_size)
+    if key not in _COMPILED:
+        if len(_COMPILED) >= MAX_COMPILED:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = CompiledConstraint(pattern, held[1], eos_token_ids, vocab_size)
+    return _COMPILED[key]
+
+
+class ConstrainedLogitsProcessor(LogitsProcessor):
+    """Masks every token that would leave the pattern; end-of-sequence only where the text so far matches. One per
+    generate() call (it records the prompt length and the states of the prefixes it has seen)."""
+
+    def __init__(self, compiled: CompiledConstraint) -> None:
+        self.compiled = compiled
+        self._state_of_prefix: dict[tuple[int, ...], int] = {(): compiled.dfa.start}
+        self.prompt_length: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]
+        generated = input_ids[:, self.prompt_length :].tolist()
+        compiled = self.compiled
+        rows = [compiled.mask_row(self._state(tuple(tokens))) for tokens in generated]
+        packed, bits_of_byte = compiled.packed_on(scores.device)
+        packed = packed[rows[0] : rows[0] + 1] if len(rows) == 1 else packed[torch.tensor(rows, device=scores.device)]
+        # Unpack through a 256 x 8 table: each byte of the packed words gives the flags of its 8 tokens.
+        allowed = bits_of_byte[packed.view(torch.uint8).long()].view(len(rows), -1)[:, : scores.shape[-1]]
+        if allowed.shape[1] < scores.shape[-1]:  # ids past the tokenizer's vocabulary (padded embeddings)
+            allowed = torch.nn.functional.pad(allowed, (0, scores.shape[-1] - allowed.shape[1]))
+        return scores.masked_fill(~allowed, -float("inf"))
+
+    def _state(self, prefix: tuple[int, ...]) -> int:
+        state = self._state_of_prefix.get(prefix)
+        if state is None:
+            parent = self._state(prefix[:-1])
+            token, compiled = prefix[-1], self.compiled
+            if parent == _FINISHED or token in compiled.eos:
+                state = _FINISHED
+            else:
+                piece = compiled.pieces[token] if token < len(compiled.pieces) else None
+                state = compiled.dfa.walk(parent, piece) if piece else ByteDFA.DEAD
+            self._state_of_prefix[prefix] = state
+        return state
