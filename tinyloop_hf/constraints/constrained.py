@@ -3,12 +3,14 @@
 The automaton state of a row is a function of the tokens generated so far (memoized by prefix), never of the
 processor's call history: rolled-back speculative drafts, beams that swap rows and finished rows cost nothing. Per
 state, the allowed tokens are found once by walking a byte trie of the vocabulary through the DFA (dead branches are
-pruned), stored as a packed int32 bitmask row on the model's device, and applied with a gather, an unpack and a fill.
+pruned) and stored as a packed int32 bitmask row on the model's device; the masks of recently used states are also
+kept unpacked as additive 0 / -inf rows, so a step costs a prefix lookup and one add.
 End-of-sequence is allowed only in accepting states (and is the only choice where the pattern cannot continue).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from .regex_automaton import ByteDFA, literal_pattern
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "choices")
 _FINISHED = -2  # a row that already emitted end-of-sequence: any token (generate() pads it anyway)
+MAX_UNPACKED = 128  # unpacked masks kept per compiled constraint: 128 x 49k fp32 = 25 MB
 
 
 def constraint_pattern(generation_config: Any) -> str | None:
@@ -111,6 +114,7 @@ class CompiledConstraint:
         self._row_of_state: dict[int, int] = {}
         self._packed: torch.Tensor | None = None  # [states seen, words] int32, on the device of the last use
         self._bits_of_byte: torch.Tensor | None = None
+        self._unpacked: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def mask_row(self, state: int) -> int:
         """Row of ``state``'s packed mask (built on first use)."""
@@ -159,6 +163,25 @@ class CompiledConstraint:
                         stack.append((child, following))
         return found
 
+    def additive_mask(self, state: int, scores: torch.Tensor) -> torch.Tensor:
+        """``state``'s mask as 0 / -inf in the dtype and on the device of ``scores`` [B, V] (one add applies it):
+        unpacked from its packed row through a 256 x 8 table (each byte of the words gives its 8 tokens' flags) and
+        kept for the most recently used states. Ids past the tokenizer's vocabulary (padded embeddings) are masked."""
+        key = (state, str(scores.device), scores.dtype, scores.shape[-1])
+        mask = self._unpacked.get(key)
+        if mask is None:
+            row = self.mask_row(state)
+            packed, bits_of_byte = self.packed_on(scores.device)
+            allowed = bits_of_byte[packed[row].view(torch.uint8).long()].view(-1)[: scores.shape[-1]]
+            mask = torch.full((scores.shape[-1],), -float("inf"), dtype=scores.dtype, device=scores.device)
+            mask[: allowed.shape[0]].masked_fill_(allowed, 0.0)
+            self._unpacked[key] = mask
+            if len(self._unpacked) > MAX_UNPACKED:
+                self._unpacked.popitem(last=False)
+        else:
+            self._unpacked.move_to_end(key)
+        return mask
+
     def packed_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed masks [states, words] int32 and the byte -> 8 flags table, on ``device``."""
         if self._packed.device != device:
@@ -198,14 +221,8 @@ class ConstrainedLogitsProcessor(LogitsProcessor):
             self.prompt_length = input_ids.shape[1]
         generated = input_ids[:, self.prompt_length :].tolist()
         compiled = self.compiled
-        rows = [compiled.mask_row(self._state(tuple(tokens))) for tokens in generated]
-        packed, bits_of_byte = compiled.packed_on(scores.device)
-        packed = packed[rows[0] : rows[0] + 1] if len(rows) == 1 else packed[torch.tensor(rows, device=scores.device)]
-        # Unpack through a 256 x 8 table: each byte of the packed words gives the flags of its 8 tokens.
-        allowed = bits_of_byte[packed.view(torch.uint8).long()].view(len(rows), -1)[:, : scores.shape[-1]]
-        if allowed.shape[1] < scores.shape[-1]:  # ids past the tokenizer's vocabulary (padded embeddings)
-            allowed = torch.nn.functional.pad(allowed, (0, scores.shape[-1] - allowed.shape[1]))
-        return scores.masked_fill(~allowed, -float("inf"))
+        masks = [compiled.additive_mask(self._state(tuple(tokens)), scores) for tokens in generated]
+        return scores + (masks[0] if len(masks) == 1 else torch.stack(masks))
 
     def _state(self, prefix: tuple[int, ...]) -> int:
         state = self._state_of_prefix.get(prefix)
