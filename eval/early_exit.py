@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 
 from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
 
+from .reports import write_report
+
 SETTINGS: list[dict[str, Any]] = [
     {"early_exit": "gate", "early_exit_threshold": t} for t in (0.3, 0.5, 0.7, 0.9)
 ] + [
@@ -80,17 +82,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.context}-token prompt at full depth, then {args.steps} teacher-forced decode steps with the rule on. "
         f"Loop compute saved = 1 - mean loops run / L over the decode steps (prelude, coda and head always run)."
     )
-    lines = [header, "", "| setting | mean loops | loop compute saved | perplexity | top-1 = full depth |",
+    lines = ["| setting | mean loops | loop compute saved | perplexity | top-1 = full depth |",
              "|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         setting = (f"num_loops={row['num_loops']} (fixed)" if "num_loops" in row
                    else f"early_exit={row['early_exit']}, threshold {row['early_exit_threshold']}")  # fmt: skip
         lines.append(f"| {setting} | {row['mean_loops']:.2f} | {100 * row['loop_compute_saved']:.0f}% | "
                      f"{row['perplexity']:.2f} | {100 * row['top1_agreement_with_full_depth']:.0f}% |")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
-    Path(f"{args.out}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    print("\n".join(lines))
+    write_report(args.out, header, lines, rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 
 from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
 
+from .reports import write_report
+
 
 def prompts(tokenizer: Any, count: int, length: int) -> list[torch.Tensor]:
     ids = tokenizer((embedded_model_path() / "heldout_sample.txt").read_text()[20000:], return_tensors="pt").input_ids
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     columns = "mode|draft loops|draft tokens|acceptance|tokens / round|plain tok/s|speculative tok/s|speed-up|identical"
     columns = columns.split("|")
-    lines = [header, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for row in rows:
         same = {True: "yes", False: "NO", None: "n/a (sampling)"}[row["identical_to_plain"]]
         lines.append(
@@ -105,10 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['tokens_per_round']:.2f} | {row['plain_tok_s']:.1f} | {row['spec_tok_s']:.1f} | "
             f"{row['speedup']:.2f}x | {same} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.md").write_text("\n".join(lines) + "\n")
-    Path(f"{args.out}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    print("\n".join(lines))
+    write_report(args.out, header, lines, rows)
 
 
 if __name__ == "__main__":

@@ -240,47 +240,32 @@ def _draft(
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     """k draft tokens [B, k] (and their processed probabilities [B, k, V] when sampling); the loop input and state
     after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft)."""
-    cache.fill_deeper_loops = False  # the verifier computes the deeper loops of these tokens
-    try:
-        return _draft_tokens(model, input_ids, mask, cache, logits_processor, k, draft_loops, do_sample)
-    finally:
-        cache.fill_deeper_loops = True
-
-
-def _draft_tokens(
-    model: Any,
-    input_ids: torch.Tensor,
-    mask: torch.Tensor | None,
-    cache: TinyLoopCache,
-    logits_processor: LogitsProcessorList,
-    k: int,
-    draft_loops: int,
-    do_sample: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     batch = input_ids.shape[0]
-    token = input_ids[:, -1:]
-    prefix = input_ids
+    token, prefix = input_ids[:, -1:], input_ids
     drafts: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     loop_inputs: list[torch.Tensor] = []
     states: list[torch.Tensor] = []
-    for i in range(k + 1):
-        if mask is not None:
-            step_mask = torch.cat([mask, mask.new_ones(batch, i)], dim=-1)
-        out = model.model(input_ids=token, attention_mask=step_mask if mask is not None else None, cache=cache,
-                          use_cache=True, num_loops=draft_loops, output_hidden_states=True)  # fmt: skip
-        loop_inputs.append(out.hidden_states[0])
-        states.append(out.hidden_states[-1])
-        if i == k:
-            break
-        processed = logits_processor(prefix, model.lm_head(out.last_hidden_state[:, -1]).float())
-        if do_sample:
-            probs.append(torch.softmax(processed, dim=-1))
-            token = torch.multinomial(probs[-1], num_samples=1)
-        else:
-            token = processed.argmax(dim=-1, keepdim=True)
-        drafts.append(token)
-        prefix = torch.cat([prefix, token], dim=-1)
+    cache.fill_deeper_loops = False  # the verifier computes the deeper loops of these tokens
+    try:
+        for i in range(k + 1):
+            step_mask = None if mask is None else torch.cat([mask, mask.new_ones(batch, i)], dim=-1)
+            out = model.model(input_ids=token, attention_mask=step_mask, cache=cache, use_cache=True,
+                              num_loops=draft_loops, output_hidden_states=True)  # fmt: skip
+            loop_inputs.append(out.hidden_states[0])
+            states.append(out.hidden_states[-1])
+            if i == k:
+                break
+            processed = logits_processor(prefix, model.lm_head(out.last_hidden_state[:, -1]).float())
+            if do_sample:
+                probs.append(torch.softmax(processed, dim=-1))
+                token = torch.multinomial(probs[-1], num_samples=1)
+            else:
+                token = processed.argmax(dim=-1, keepdim=True)
+            drafts.append(token)
+            prefix = torch.cat([prefix, token], dim=-1)
+    finally:
+        cache.fill_deeper_loops = True
     draft_ids = torch.cat(drafts, dim=-1) if drafts else input_ids.new_empty(batch, 0)
     return draft_ids, torch.stack(probs, dim=1) if probs else None, loop_inputs, states
 
