@@ -441,24 +441,26 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         first_loop: int = 0,
         state: torch.Tensor | None = None,
         exit_rule: EarlyExit | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
         """Run the loop block (from ``first_loop`` with ``state``, or from the start): (state, states kept, gate
-        logits per loop, loops each row computed [B]). A row stops computing once its
-        depth is reached or ``exit_rule`` says so, and keeps its state; with a cache, the loop slots it skipped
-        (up to the cache's depth) reuse its last computed loop's K/V. A cache that cannot serve row subsets (the
-        paged one) makes every row compute every loop, rows past their depth discarding the result."""
+        logits per loop, loops each row computed [B] where rows may stop early, else None).
+
+        With per-row depths or an exit rule, a row stops computing once its depth is reached or the rule says so,
+        and keeps its state; the loop slots it skipped (up to the cache's depth) reuse its last computed loop's K/V.
+        A cache that cannot serve row subsets (the paged one, which CUDA graphs capture: no host synchronization
+        here) makes every row compute every loop, rows past their depth discarding the result."""
         if state is None:
             state = self._initial_state(loop_input, position_ids)
         cache, batch = context.cache, state.shape[0]
         subsets = cache is None or cache.supports_row_subsets
-        running = torch.ones(batch, dtype=torch.bool, device=state.device)
-        last_loop = torch.full((batch,), total_loops - 1, dtype=torch.long, device=state.device)
+        adaptive = subsets and (loops_per_row is not None or exit_rule is not None)
+        running = torch.ones(batch, dtype=torch.bool, device=state.device) if adaptive else None
+        last_loop = torch.full((batch,), total_loops - 1, dtype=torch.long, device=state.device) if subsets else None
         states: list[torch.Tensor] = []
         gates: list[torch.Tensor] = []
         previous = state
         for loop in range(first_loop, total_loops):
-            all_rows = bool(running.all())
-            if all_rows or not subsets:
+            if not adaptive or bool(running.all()):
                 x = self._loop_pass(state, loop_input, context, loop)
                 state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
             elif bool(running.any()):
@@ -469,19 +471,18 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                 gates.append(self.exit_gate(state).squeeze(-1))
             if keep_states:
                 states.append(state)
-            if not subsets:
-                continue
-            stop = torch.zeros_like(running)
-            if loops_per_row is not None:
-                stop |= loop + 1 >= loops_per_row
-            if exit_rule is not None and loop < total_loops - 1:
-                stop |= exit_rule.exits(loop, state, previous, gates[-1] if gates else None)
-            last_loop = torch.where(stop & running, torch.full_like(last_loop, loop), last_loop)
-            running = running & ~stop
-            previous = state
-        if cache is not None and subsets:
+            if adaptive:
+                stop = torch.zeros_like(running)
+                if loops_per_row is not None:
+                    stop |= loop + 1 >= loops_per_row
+                if exit_rule is not None and loop < total_loops - 1:
+                    stop |= exit_rule.exits(loop, state, previous, gates[-1] if gates else None)
+                last_loop = torch.where(stop & running, torch.full_like(last_loop, loop), last_loop)
+                running = running & ~stop
+                previous = state
+        if cache is not None and subsets and (adaptive or cache.loops_cached() > total_loops):
             cache.fill_skipped_loops(last_loop, first_loop, total_loops, context.past_length, loop_input.shape[1])
-        return state, states, gates, last_loop + 1
+        return state, states, gates, last_loop + 1 if adaptive else None
 
     def _loop_pass(
         self, state: torch.Tensor, loop_input: torch.Tensor, context: _ForwardContext, loop: int
