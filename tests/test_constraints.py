@@ -185,3 +185,35 @@ def test_a_cached_state_reuses_its_mask(embedded):
     first = processor(prefix, torch.zeros(1, 49152))
     masks = len(compiled._row_of_state)
     assert torch.equal(processor(prefix, torch.zeros(1, 49152)), first) and len(compiled._row_of_state) == masks
+
+
+GRAMMAR = 'root ::= " " answer ", my lord."\nanswer ::= "yes" | "no" | "perhaps" | "I know not"'
+GRAMMAR_TEXT = re.compile(r" (yes|no|perhaps|I know not), my lord\.")
+
+
+def test_grammar_through_xgrammar_greedy_sampling_beams_and_speculation(embedded):
+    model, tokenizer = embedded
+    tokenizer.padding_side = "left"
+    batch = tokenizer([PROMPT, "HAMLET. I say"], return_tensors="pt", padding=True)
+    n = batch.input_ids.shape[1]
+    common = dict(max_new_tokens=20, tokenizer=tokenizer, grammar=GRAMMAR)
+    torch.manual_seed(0)
+    runs = {
+        "greedy": model.generate(**batch, do_sample=False, **common),
+        "sample": model.generate(**batch, do_sample=True, **common),
+        "beams": model.generate(**batch, do_sample=False, num_beams=3, **common),
+        "speculative": model.generate(**batch, do_sample=False, draft_loops=1, num_draft_tokens=4, **common),
+    }
+    for name, out in runs.items():
+        for row in out:
+            assert GRAMMAR_TEXT.fullmatch(_text(tokenizer, row, n)), (name, _text(tokenizer, row, n))
+    assert torch.equal(runs["speculative"], runs["greedy"])
+
+
+def test_bad_grammar_fails_when_generate_starts(embedded):
+    model, tokenizer = embedded
+    ids = tokenizer("x", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="grammar does not parse"):
+        model.generate(ids, max_new_tokens=2, tokenizer=tokenizer, grammar='root ::= "a" | ')
+    with pytest.raises(ValueError, match="set one of regex, json_schema, choices, grammar"):
+        model.generate(ids, max_new_tokens=2, tokenizer=tokenizer, grammar=GRAMMAR, regex="a")

@@ -20,6 +20,7 @@ from .constraints.constrained import (
     compiled_constraint,
     constraint_pattern,
 )
+from .constraints.grammar import GrammarLogitsProcessor, check_grammar, compile_grammar
 from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
@@ -43,6 +44,8 @@ class TinyLoopGenerationMixin(GenerationMixin):
             if model_kwargs.get(field) is not None:  # arguments: kept on the call's config
                 setattr(generation_config, field, model_kwargs.pop(field))
         constraint_pattern(generation_config)  # an invalid regex / schema / choices list fails here
+        if getattr(generation_config, "grammar", None) is not None:
+            check_grammar(generation_config.grammar)  # ... and a grammar that does not parse
         for field in LOOP_GENERATION_FIELDS:
             value = getattr(generation_config, field, None)
             if value is not None and model_kwargs.get(field) is None:
@@ -71,16 +74,20 @@ class TinyLoopGenerationMixin(GenerationMixin):
             kwargs["logits_processor"] = LogitsProcessorList([processor, *(kwargs.get("logits_processor") or [])])
         return super()._get_logits_processor(generation_config, *args, **kwargs)
 
-    def _constraint_processor(self, generation_config: GenerationConfig) -> ConstrainedLogitsProcessor | None:
+    def _constraint_processor(self, generation_config: GenerationConfig) -> Any:
         pattern = constraint_pattern(generation_config)
+        grammar = getattr(generation_config, "grammar", None)
         tokenizer, self._generate_tokenizer = getattr(self, "_generate_tokenizer", None), None
-        if pattern is None:
+        if pattern is None and grammar is None:
             return None
         if tokenizer is None:
             tokenizer = self._own_tokenizer()
         eos = generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, self.config.vocab_size))
+        vocab = self.config.vocab_size
+        if grammar is not None:
+            return GrammarLogitsProcessor(compile_grammar(grammar, tokenizer, vocab, eos), vocab)
+        return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, vocab))
 
     def _own_tokenizer(self) -> Any:
         from transformers import AutoTokenizer

@@ -19,20 +19,23 @@ from transformers import LogitsProcessor
 from .json_schema import schema_to_regex
 from .regex_automaton import ByteDFA, literal_pattern
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "choices")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "choices", "grammar")  # grammar: through xgrammar (grammar.py)
 _FINISHED = -2  # a row that already emitted end-of-sequence: any token (generate() pads it anyway)
 MAX_UNPACKED = 128  # unpacked masks kept per compiled constraint: 128 x 49k fp32 = 25 MB
 
 
 def constraint_pattern(generation_config: Any) -> str | None:
-    """The regex of the constraint fields of a generation config (None without one); invalid ones fail here."""
+    """The regex of the constraint fields of a generation config (None without one, or for a grammar); invalid
+    ones fail here."""
     given = {name: getattr(generation_config, name, None) for name in CONSTRAINT_FIELDS}
     given = {name: value for name, value in given.items() if value is not None}
     if not given:
         return None
     if len(given) > 1:
-        raise ValueError(f"set one of regex, json_schema, choices; got {sorted(given)}")
+        raise ValueError(f"set one of regex, json_schema, choices, grammar; got {sorted(given)}")
     name, value = next(iter(given.items()))
+    if name == "grammar":
+        return None  # not a regex: see grammar.py
     if name == "regex":
         if not isinstance(value, str):
             raise ValueError(f"regex must be a string, got {type(value).__name__}")

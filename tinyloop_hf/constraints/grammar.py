@@ -1,0 +1,97 @@
+"""Grammar-constrained decoding through xgrammar (optional dependency): the ``grammar`` generation field (EBNF in
+xgrammar's syntax, root rule ``root``).
+
+As for the regex constraint, a row's matcher is a function of its generated prefix: matchers are kept by prefix and
+a new prefix forks its parent's matcher and accepts one token, so rolled-back drafts, beams and finished rows need no
+bookkeeping. xgrammar fills the token bitmask of each row and applies it to the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+_COMPILED: dict[tuple, Any] = {}
+MAX_COMPILED = 16
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise ValueError(
+            "the grammar field needs xgrammar: pip install 'tinyloop-hf[grammar]' (or xgrammar)"
+        ) from error
+    return xgrammar
+
+
+def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """xgrammar's CompiledGrammar of ``grammar`` for this tokenizer (cached); a bad grammar fails naming the error."""
+    xgrammar = _xgrammar()
+    key = (grammar, id(tokenizer), vocab_size, tuple(eos_token_ids))
+    if key not in _COMPILED:
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=eos_token_ids or None)  # fmt: skip
+        try:
+            compiled = xgrammar.GrammarCompiler(info).compile_grammar(grammar)
+        except Exception as error:  # xgrammar raises its own types (RuntimeError, ValueError) for grammar errors
+            raise ValueError(f"grammar does not compile: {error}") from None
+        if len(_COMPILED) >= MAX_COMPILED:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = compiled
+    return _COMPILED[key]
+
+
+def check_grammar(grammar: Any) -> None:
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise ValueError(
+            f"grammar must be a non-empty EBNF string (xgrammar syntax, root rule 'root'), got {grammar!r}"
+        )
+    xgrammar = _xgrammar()
+    try:
+        xgrammar.Grammar.from_ebnf(grammar)
+    except Exception as error:
+        raise ValueError(f"grammar does not parse: {error}") from None
+
+
+class GrammarLogitsProcessor(LogitsProcessor):
+    """Masks the tokens the grammar does not allow after each row's generated prefix."""
+
+    def __init__(self, compiled: Any, vocab_size: int) -> None:
+        xgrammar = _xgrammar()
+        self._xgrammar, self.vocab_size = xgrammar, vocab_size
+        self._matchers: dict[tuple[int, ...], Any] = {(): xgrammar.GrammarMatcher(compiled)}
+        self.prompt_length: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]
+        prefixes = [tuple(row) for row in input_ids[:, self.prompt_length :].tolist()]
+        bitmask = self._xgrammar.allocate_token_bitmask(len(prefixes), self.vocab_size)
+        constrained = []
+        for index, prefix in enumerate(prefixes):
+            matcher = self._matcher(prefix)
+            if matcher is not None and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, index)
+                constrained.append(index)
+        if not constrained:  # every row has finished: generate() pads them
+            return scores
+        scores = scores.clone()
+        self._xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device), vocab_size=self.vocab_size,
+                                                   indices=constrained)  # fmt: skip
+        return scores
+
+    def _matcher(self, prefix: tuple[int, ...]) -> Any:
+        """The matcher after ``prefix`` (None once the row has ended); forked from its parent's."""
+        if prefix in self._matchers:
+            return self._matchers[prefix]
+        parent = self._matcher(prefix[:-1])
+        matcher = None
+        if parent is not None and not parent.is_terminated():
+            matcher = parent.fork()
+            if not matcher.accept_token(prefix[-1]):
+                raise ValueError(f"token {prefix[-1]} is outside the grammar (forced by another processor?)")
+        self._matchers[prefix] = matcher
+        return matcher
