@@ -1,4 +1,6 @@
-"""generate() integration: loop fields in generation_config reach forward, and generate always gets a TinyLoopCache.
+"""generate() integration: loop fields in generation_config reach forward, and generate always gets a TinyLoopCache;
+the decoding fields (self-speculation, loop schedules, constraints) are checked when generate() starts and served
+by the hooks below.
 
 transformers keeps unknown generation_config entries but never passes them to forward, and a call keyword of the
 same name is swallowed into the config once the field exists. We copy the resolved value into the model kwargs.
@@ -23,8 +25,8 @@ from .constraints.constrained import (
 from .constraints.grammar import GrammarLogitsProcessor, check_grammar, compile_grammar
 from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
+SCHEDULE_FIELDS = ("warmup_tokens", "warmup_loops")  # served by prepare_inputs_for_generation
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
-SCHEDULE_FIELDS = ("warmup_tokens", "warmup_loops")
 LOOP_GENERATION_FIELDS = (
     "num_loops", "exit_threshold", "exit_at_step", "use_weighted_exit", "early_exit", "early_exit_threshold"
 )  # fmt: skip
@@ -67,8 +69,8 @@ class TinyLoopGenerationMixin(GenerationMixin):
         return super()._extract_generation_mode_kwargs(custom_generate, kwargs, *args)
 
     def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
-        """The constraint (regex / json_schema / choices) runs first among the user's processors: before the
-        sampling warpers, so top-k / top-p only see allowed tokens."""
+        """The constraint (regex / json_schema / choices / grammar) runs first among the user's processors: before
+        the sampling warpers, so top-k / top-p only see allowed tokens."""
         processor = self._constraint_processor(generation_config)
         if processor is not None:
             kwargs["logits_processor"] = LogitsProcessorList([processor, *(kwargs.get("logits_processor") or [])])
