@@ -51,6 +51,15 @@ def test_generates_readable_text_at_several_depths(embedded, capsys):
     assert "num_loops=1" in printed and "num_loops=4" in printed
 
 
+def test_cli_takes_the_decoding_fields(embedded, capsys):
+    arguments = ["--max-new-tokens", "12", "--draft-loops", "1", "--num-draft-tokens", "3", "--regex", r" (yes|no)\."]
+    assert generate_main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "drafts at 1 loops:" in printed and ("\nyes." in printed or "\nno." in printed)
+    with pytest.raises(ValueError, match="early_exit_threshold must be a positive number"):
+        generate_main(["--max-new-tokens", "2", "--loops", "4", "--early-exit", "kl"])
+
+
 def test_quantizing_converter_reports_per_depth(tmp_path, capsys):
     directory = embedded_model_path()
     arguments = [
