@@ -31,7 +31,8 @@ def _require_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     _require(value in choices, field, f"one of {list(choices)}", value)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (True is an int to Python, not a loop count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -180,13 +181,13 @@ class TinyLoopConfig(PreTrainedConfig):
             "max_position_embeddings",
         ):
             value = getattr(self, field)
-            _require(_is_int(value) and value >= 1, field, "an integer >= 1", value)
+            _require(is_int(value) and value >= 1, field, "an integer >= 1", value)
         for field in ("num_prelude_layers", "num_coda_layers"):
             value = getattr(self, field)
-            _require(_is_int(value) and value >= 0, field, "an integer >= 0", value)
-        _require(_is_int(self.max_loops) and self.max_loops >= 1, "max_loops", "an integer >= 1", self.max_loops)
+            _require(is_int(value) and value >= 0, field, "an integer >= 0", value)
+        _require(is_int(self.max_loops) and self.max_loops >= 1, "max_loops", "an integer >= 1", self.max_loops)
         _require(
-            _is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops,
+            is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops,
             "num_loops",
             f"an integer in [1, max_loops={self.max_loops}]",
             self.num_loops,
@@ -218,7 +219,7 @@ class TinyLoopConfig(PreTrainedConfig):
             "a number > 0",
             self.initial_state_std,
         )
-        _require(_is_int(self.initial_state_seed), "initial_state_seed", "an integer", self.initial_state_seed)
+        _require(is_int(self.initial_state_seed), "initial_state_seed", "an integer", self.initial_state_seed)
         _require(isinstance(self.exit_gate, bool), "exit_gate", "a bool", self.exit_gate)
         if self.exit_threshold is not None:
             _require(self.exit_gate, "exit_threshold", "None when exit_gate is False", self.exit_threshold)
@@ -240,7 +241,7 @@ class TinyLoopConfig(PreTrainedConfig):
 
 
 def _default_head_dim(hidden_size: Any, num_attention_heads: Any) -> Any:
-    if _is_int(hidden_size) and _is_int(num_attention_heads) and num_attention_heads > 0:
+    if is_int(hidden_size) and is_int(num_attention_heads) and num_attention_heads > 0:
         _require(
             hidden_size % num_attention_heads == 0,
             "head_dim",
@@ -252,7 +253,7 @@ def _default_head_dim(hidden_size: Any, num_attention_heads: Any) -> Any:
 
 
 def _default_max_loops(num_loops: Any) -> Any:
-    return max(16, 4 * num_loops) if _is_int(num_loops) else num_loops
+    return max(16, 4 * num_loops) if is_int(num_loops) else num_loops
 
 
 def _default_initial_state(input_injection: str) -> str:

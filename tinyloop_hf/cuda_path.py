@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .compat import graph_capturing
+from .configuration_tinyloop import is_int
 from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype
 
 MIN_CAPACITY = 128
@@ -92,7 +93,7 @@ class CudaPath:
             return None
         loops = arguments.get("num_loops")
         loops = config.num_loops if loops is None else loops
-        if not isinstance(loops, int) or isinstance(loops, bool):
+        if not is_int(loops):
             return None
         plain = (
             arguments.get("inputs_embeds") is None

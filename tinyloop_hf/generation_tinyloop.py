@@ -16,6 +16,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import GENERATE_CACHE_KEY
+from .configuration_tinyloop import is_int
 from .constraints.constrained import (
     CONSTRAINT_FIELDS,
     ConstrainedLogitsProcessor,
@@ -113,11 +114,11 @@ class TinyLoopGenerationMixin(GenerationMixin):
             return None
         if tokens is None or loops is None:
             raise ValueError("a loop schedule needs both warmup_tokens and warmup_loops")
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if not is_int(tokens) or tokens < 0:
             raise ValueError(f"warmup_tokens must be a non-negative integer, got {tokens!r}")
-        if not isinstance(full_loops, int):
+        if not is_int(full_loops):
             raise ValueError(f"warmup_loops needs one num_loops for every row (an integer), got {full_loops!r}")
-        if not isinstance(loops, int) or isinstance(loops, bool) or not 1 <= loops <= full_loops:
+        if not is_int(loops) or not 1 <= loops <= full_loops:
             raise ValueError(f"warmup_loops must be an integer in [1, num_loops={full_loops}], got {loops!r}")
         if getattr(generation_config, "draft_loops", None) is not None:
             raise ValueError("warmup_tokens / warmup_loops cannot be combined with draft_loops")

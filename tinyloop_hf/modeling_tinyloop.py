@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import CACHE_OUTPUT_FIELD, graph_capturing
-from .configuration_tinyloop import TinyLoopConfig
+from .configuration_tinyloop import TinyLoopConfig, is_int
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import EarlyExit, check_early_exit, exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
@@ -808,7 +808,7 @@ def _resolve_loops(
     else:
         values = [values]
     for value in values:
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= config.max_loops:
+        if not is_int(value) or not 1 <= value <= config.max_loops:
             raise ValueError(f"num_loops must be {allowed}, got {num_loops!r}")
     if len(set(values)) == 1:
         return values[0], None

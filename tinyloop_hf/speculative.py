@@ -29,6 +29,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import GENERATE_CACHE_KEY, GENERATE_OUTPUT_CACHE_FIELD
+from .configuration_tinyloop import is_int
 
 SPECULATION_FIELDS = ("draft_loops", "num_draft_tokens")
 ADAPTIVE = "adaptive"
@@ -70,18 +71,18 @@ def check_speculation_fields(generation_config: GenerationConfig, full_loops: An
         if draft_tokens is not None:
             raise ValueError("num_draft_tokens needs draft_loops (the draft depth), which turns speculation on")
         return
-    if not isinstance(full_loops, int) or isinstance(full_loops, bool):
+    if not is_int(full_loops):
         raise ValueError(
             f"draft_loops needs one num_loops for every row (an integer), got num_loops={full_loops!r}; "
             f"run rows of different depths in separate generate() calls"
         )
-    if not isinstance(draft_loops, int) or isinstance(draft_loops, bool) or not 1 <= draft_loops <= full_loops:
+    if not is_int(draft_loops) or not 1 <= draft_loops <= full_loops:
         raise ValueError(
             f"draft_loops must be an integer in [1, num_loops={full_loops}] (max_loops={max_loops}), "
             f"got {draft_loops!r}"
         )
     adaptive = draft_tokens is None or draft_tokens == ADAPTIVE
-    if not adaptive and (not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or draft_tokens < 1):
+    if not adaptive and (not is_int(draft_tokens) or draft_tokens < 1):
         raise ValueError(f"num_draft_tokens must be a positive integer or {ADAPTIVE!r}, got {draft_tokens!r}")
     if generation_config.num_beams != 1:
         raise ValueError(f"draft_loops needs num_beams=1 (self-speculation drafts one sequence per row), got "
