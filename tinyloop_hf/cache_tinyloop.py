@@ -215,12 +215,9 @@ class TinyLoopCache(Cache):
         ``last_loop`` [B] reuse that loop's K/V. Loops past the step's ``total_loops`` are filled only while
         ``fill_deeper_loops`` (a self-speculative draft leaves them to its verifier)."""
         depth = self.loops_cached() if self.fill_deeper_loops else total_loops
-        for loop in range(first_loop, depth):
-            skipped = last_loop < loop
-            if not bool(skipped.any()):
-                continue
-            for source_loop in last_loop[skipped].unique().tolist():
-                rows = ((last_loop == source_loop) & skipped).nonzero().squeeze(1)
+        for source_loop in last_loop.unique().tolist():  # rows that stopped after the same loop share a copy
+            rows = (last_loop == source_loop).nonzero().squeeze(1)
+            for loop in range(max(first_loop, source_loop + 1), depth):
                 for layer in range(self.num_loop_layers):
                     target = self.layers[self.slot_index("loop", layer, loop)]
                     target.fill_rows(self.layers[self.slot_index("loop", layer, source_loop)], rows, start, steps)

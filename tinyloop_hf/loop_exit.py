@@ -61,8 +61,21 @@ class EarlyExit:
       state through the final norm and the LM head (``read_logits``; the coda is not run for this).
     """
 
-    def __init__(self, criterion: str, threshold: float, read_logits: Callable | None = None) -> None:
-        self.criterion, self.threshold, self.read_logits = criterion, threshold, read_logits
+    def __init__(self, criterion: Any, threshold: Any, exit_gate: bool, read_logits: Callable | None = None) -> None:
+        """Fails naming the field and the allowed values; "kl" needs ``read_logits`` (the LM head)."""
+        if criterion not in EARLY_EXIT_CRITERIA:
+            raise ValueError(f"early_exit must be one of {list(EARLY_EXIT_CRITERIA)}, got {criterion!r}")
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0:
+            raise ValueError(f"early_exit_threshold must be a positive number for early_exit={criterion!r}, got "
+                             f"{threshold!r}")  # fmt: skip
+        if criterion == "gate" and (threshold > 1 or not exit_gate):
+            raise ValueError(
+                "early_exit='gate' needs a model with an exit gate (TinyLoopConfig.exit_gate=True) and "
+                f"early_exit_threshold in (0, 1], got exit_gate={exit_gate}, early_exit_threshold={threshold!r}"
+            )
+        if criterion == "kl" and read_logits is None:
+            raise ValueError("early_exit='kl' reads next-token distributions: call TinyLoopForCausalLM")
+        self.criterion, self.threshold, self.read_logits = criterion, float(threshold), read_logits
         self._remaining: torch.Tensor | None = None
         self._cumulative: torch.Tensor | None = None
         self._previous: torch.Tensor | None = None
@@ -87,17 +100,3 @@ class EarlyExit:
             return torch.zeros(state.shape[0], dtype=torch.bool, device=state.device)
         divergence = (log_probs.exp() * (log_probs - before)).sum(dim=-1)
         return divergence < self.threshold
-
-
-def check_early_exit(criterion: Any, threshold: Any, exit_gate: bool) -> None:
-    """Clear errors for the early_exit / early_exit_threshold fields."""
-    if criterion not in EARLY_EXIT_CRITERIA:
-        raise ValueError(f"early_exit must be one of {list(EARLY_EXIT_CRITERIA)}, got {criterion!r}")
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0:
-        raise ValueError(f"early_exit_threshold must be a positive number for early_exit={criterion!r}, got "
-                         f"{threshold!r}")  # fmt: skip
-    if criterion == "gate" and (threshold > 1 or not exit_gate):
-        raise ValueError(
-            "early_exit='gate' needs a model with an exit gate (TinyLoopConfig.exit_gate=True) and "
-            f"early_exit_threshold in (0, 1], got exit_gate={exit_gate}, early_exit_threshold={threshold!r}"
-        )

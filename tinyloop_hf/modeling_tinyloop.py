@@ -22,7 +22,7 @@ from .cache_tinyloop import TinyLoopCache
 from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig, is_int
 from .generation_tinyloop import TinyLoopGenerationMixin
-from .loop_exit import EarlyExit, check_early_exit, exit_distribution, select_states, threshold_exit_steps
+from .loop_exit import EarlyExit, exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
 from .quant_tinyloop import packed_shape_errors
 
@@ -389,11 +389,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         position_ids = _resolve_positions(position_ids, attention_mask, past, length, hidden.device)
         if not graph_capturing():  # a CUDA-graph capture may not synchronize
             _check_context(position_ids, self.config.max_position_embeddings)
-        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
-        mask, is_causal = _attention_mask(attention_mask, past, length, batch, hidden.device)
-        context = _ForwardContext(cos, sin, mask, is_causal, cache, past)
-        if cache is not None:
-            cache.begin_step(batch, length, attention_mask, hidden)
+        context = self._context(position_ids, attention_mask, cache, past, hidden)
         total_loops, loops_per_row = _resolve_loops(num_loops, self.config, batch, hidden.device)
         exit_at_step = _check_exit_step(exit_at_step, total_loops, loops_per_row)
 
@@ -501,8 +497,9 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             if threshold is not None:
                 raise ValueError("early_exit_threshold needs early_exit (one of 'gate', 'state_delta', 'kl')")
             return None
-        if not isinstance(early_exit, EarlyExit):
-            check_early_exit(early_exit, threshold, self.config.exit_gate)
+        rule = (
+            early_exit if isinstance(early_exit, EarlyExit) else EarlyExit(early_exit, threshold, self.config.exit_gate)
+        )
         if length != 1:
             return None
         if exit_threshold is not None or exit_at_step is not None:
@@ -511,11 +508,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         if cache is not None and not cache.supports_row_subsets:
             raise ValueError("early_exit is not supported on the CUDA path yet (its paged cache runs every row "
                              "through every loop); use the reference path (model.use_reference_path())")  # fmt: skip
-        if isinstance(early_exit, EarlyExit):
-            return early_exit
-        if early_exit == "kl":
-            raise ValueError("early_exit='kl' reads next-token distributions: call TinyLoopForCausalLM")
-        return EarlyExit(early_exit, float(threshold))
+        return rule
 
     def resume(
         self,
@@ -532,15 +525,27 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         verify resumes the draft's work): ``loop_input`` and ``state`` [B, S, H] are their loop input and state
         after ``first_loop`` loops. Runs loops first_loop..total_loops-1 and the coda; the cache's slots of those
         loops and of the coda hold ``past_length`` tokens, to which these S are appended."""
-        batch, length = state.shape[:2]
-        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
-        mask, is_causal = _attention_mask(attention_mask, past_length, length, batch, state.device)
-        context = _ForwardContext(cos, sin, mask, is_causal, cache, past_length)
-        cache.begin_step(batch, length, attention_mask, state)
+        context = self._context(position_ids, attention_mask, cache, past_length, state)
         state, *_ = self._run_loops(loop_input, context, total_loops, None, position_ids, False, first_loop, state)
         hidden = self.finish(state, context)
         cache.end_step()
         return hidden
+
+    def _context(
+        self,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: TinyLoopCache | None,
+        past: int,
+        like: torch.Tensor,
+    ) -> _ForwardContext:
+        """The context of a step over ``like`` [B, S, H] after ``past`` cached tokens; the cache is told it starts."""
+        batch, length = like.shape[:2]
+        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
+        mask, is_causal = _attention_mask(attention_mask, past, length, batch, like.device)
+        if cache is not None:
+            cache.begin_step(batch, length, attention_mask, like)
+        return _ForwardContext(cos, sin, mask, is_causal, cache, past)
 
     def _inject(self, state: torch.Tensor, loop_input: torch.Tensor) -> torch.Tensor:
         if self.config.input_injection == "linear_concat":
@@ -679,14 +684,17 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
         key = path.graph_key(input_ids, cache, arguments)
         return None if key is None else path.run(key, input_ids, attention_mask, position_ids, cache)
 
-    def _early_exit(self, criterion: Any, threshold: Any) -> str | EarlyExit | None:
-        """The "kl" criterion reads next-token distributions from loop states (final norm + head)."""
-        if criterion != "kl":
-            return criterion
-        check_early_exit(criterion, threshold, self.config.exit_gate)
+    def _early_exit(self, criterion: Any, threshold: Any) -> EarlyExit | None:
+        """The rule, with the LM head to read next-token distributions from loop states for "kl" (final norm +
+        head)."""
+        if criterion is None:
+            return None
         every_loop = self.config.final_norm == "every_loop"
         return EarlyExit(
-            "kl", float(threshold), lambda state: self.lm_head(state if every_loop else self.model.norm(state))
+            criterion,
+            threshold,
+            self.config.exit_gate,
+            lambda state: self.lm_head(state if every_loop else self.model.norm(state)),
         )
 
     def _weighted_exit(
