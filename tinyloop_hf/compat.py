@@ -9,10 +9,13 @@ from transformers import GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+
+def _cache_field(output_class: type) -> str:
+    return "cache" if "cache" in {field.name for field in dataclasses.fields(output_class)} else "past_key_values"
+
+
 # 5.24 renamed the cache everywhere: the output field generate() reads back, and the kwarg it passes to forward().
-CACHE_OUTPUT_FIELD = (
-    "cache" if "cache" in {field.name for field in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-)
+CACHE_OUTPUT_FIELD = _cache_field(CausalLMOutputWithPast)
 GENERATE_CACHE_KEY = (
     "cache"
     if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
@@ -20,9 +23,7 @@ GENERATE_CACHE_KEY = (
 )
 
 # ... and the cache field of generate()'s output classes.
-GENERATE_OUTPUT_CACHE_FIELD = (
-    "cache" if "cache" in {field.name for field in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
-)
+GENERATE_OUTPUT_CACHE_FIELD = _cache_field(GenerateDecoderOnlyOutput)
 
 
 def graph_capturing() -> bool:

@@ -161,13 +161,14 @@ def self_speculative_sample(
         verify_scores = torch.stack(
             [logits_processor(prefix[:, : input_ids.shape[1] + i], verify_raw[:, i]) for i in range(k + 1)], dim=1
         )
-        row_accepts, final = _accept(drafts, draft_probs, verify_scores, do_sample)
+        row_accepts = _accepted_drafts(drafts, draft_probs, verify_scores, do_sample)
         active = unfinished.bool()
         accepted = int(row_accepts[active].min()) if bool(active.any()) else 0
         stats.rounds += 1
         stats.drafted += k * int(active.sum())
         stats.accepted += int(row_accepts[active].sum())
         stats.draft_lengths.append(k)
+        final = _correction(accepted, draft_probs, verify_scores, do_sample)  # where the shortest acceptance ends
         emitted = 0
         for i in range(accepted + 1):
             # Position i: the draft where this row accepted it (rows accepting more than the batch's shortest
@@ -175,9 +176,9 @@ def self_speculative_sample(
             if i < accepted:
                 token = drafts[:, i]
             elif i < k:
-                token = torch.where(row_accepts > i, drafts[:, i], final[i])
+                token = torch.where(row_accepts > i, drafts[:, i], final)
             else:
-                token = final[i]
+                token = final
             emitted += 1
             done = emit(token, verify_scores[:, i], verify_raw[:, i])
             if done:
@@ -298,33 +299,33 @@ def _verify(
     return model.lm_head(hidden).float()
 
 
-def _accept(
+def _accepted_drafts(
     drafts: torch.Tensor, draft_probs: torch.Tensor | None, verify_scores: torch.Tensor, do_sample: bool
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(accepted drafts per row [B], final[i] = the row's token at position i if its acceptance ends there)."""
+) -> torch.Tensor:
+    """Drafts each row accepts [B]: greedy, while they equal the verifier's argmax; sampling, each with probability
+    min(1, p / q) on the processed distributions, up to the first rejection."""
     batch, k = drafts.shape
-    positions = range(k + 1)
-    if not do_sample:
-        target = verify_scores.argmax(dim=-1)  # [B, k + 1]
-        matches = (drafts == target[:, :k]).long()
-        row_accepts = matches.cumprod(dim=-1).sum(dim=-1) if k else drafts.new_zeros(batch)
-        return row_accepts, [target[:, i] for i in positions]
-    p = torch.softmax(verify_scores, dim=-1)  # [B, k + 1, V]
-    if k:
-        q = draft_probs
-        p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
-        q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
-        accept = torch.rand_like(p_draft) * q_draft < p_draft
-        row_accepts = accept.long().cumprod(dim=-1).sum(dim=-1)
+    if not k:
+        return drafts.new_zeros(batch)
+    if do_sample:
+        p_draft = torch.softmax(verify_scores[:, :k], dim=-1).gather(-1, drafts[..., None]).squeeze(-1)
+        q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+        accepted = torch.rand_like(p_draft) * q_draft < p_draft
     else:
-        row_accepts = drafts.new_zeros(batch)
-    final = []
-    for i in positions:
-        if i < k:  # a rejection at i: the residual distribution norm(max(0, p - q)), or p where p == q
-            residual = (p[:, i] - q[:, i]).clamp(min=0)
-            total = residual.sum(dim=-1, keepdim=True)
-            residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[:, i])
-            final.append(torch.multinomial(residual, num_samples=1).squeeze(1))
-        else:  # every draft accepted: a bonus token from p
-            final.append(torch.multinomial(p[:, i], num_samples=1).squeeze(1))
-    return row_accepts, final
+        accepted = drafts == verify_scores[:, :k].argmax(dim=-1)
+    return accepted.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _correction(
+    position: int, draft_probs: torch.Tensor | None, verify_scores: torch.Tensor, do_sample: bool
+) -> torch.Tensor:
+    """Each row's token at ``position`` where its acceptance ends there [B]: the verifier's choice (greedy); the
+    residual norm(max(0, p - q)) after a rejection, or a bonus token from p when every draft was accepted."""
+    if not do_sample:
+        return verify_scores[:, position].argmax(dim=-1)
+    p = torch.softmax(verify_scores[:, position], dim=-1)
+    if position < verify_scores.shape[1] - 1:
+        residual = (p - draft_probs[:, position]).clamp(min=0)
+        total = residual.sum(dim=-1, keepdim=True)
+        p = torch.where(total > 0, residual / total.clamp(min=1e-30), p)  # p == q: sample from p
+    return torch.multinomial(p, num_samples=1).squeeze(1)

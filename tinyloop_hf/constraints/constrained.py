@@ -10,11 +10,13 @@ End-of-sequence is allowed only in accepting states (and is the only choice wher
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from .json_schema import schema_to_regex
 from .regex_automaton import ByteDFA, literal_pattern
@@ -79,15 +81,7 @@ def _is_byte_level(tokenizer: Any) -> bool:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable character -> byte table (the inverse of what the ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    characters, extra = printable[:], 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            characters.append(256 + extra)
-            extra += 1
-    return {chr(character): byte for byte, character in zip(printable, characters, strict=True)}
+    return {character: byte for byte, character in bytes_to_unicode().items()}
 
 
 class _Trie:
@@ -192,22 +186,19 @@ class CompiledConstraint:
         return self._packed, self._bits_of_byte
 
 
-_COMPILED: dict[tuple, CompiledConstraint] = {}
-_VOCABULARIES: dict[int, tuple[Any, list[bytes | None]]] = {}
-MAX_COMPILED = 16
-
-
 def compiled_constraint(pattern: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int) -> CompiledConstraint:
     """The shared CompiledConstraint of these arguments (the vocabulary's bytes are read once per tokenizer)."""
-    held = _VOCABULARIES.get(id(tokenizer))
-    if held is None or held[0] is not tokenizer:
-        held = _VOCABULARIES[id(tokenizer)] = (tokenizer, vocabulary_bytes(tokenizer))
-    key = (pattern, id(tokenizer), tuple(eos_token_ids), vocab_size)
-    if key not in _COMPILED:
-        if len(_COMPILED) >= MAX_COMPILED:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        _COMPILED[key] = CompiledConstraint(pattern, held[1], eos_token_ids, vocab_size)
-    return _COMPILED[key]
+    return _compiled(pattern, tokenizer, tuple(eos_token_ids), vocab_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(pattern: str, tokenizer: Any, eos_token_ids: tuple[int, ...], vocab_size: int) -> CompiledConstraint:
+    return CompiledConstraint(pattern, _vocabulary_bytes_of(tokenizer), list(eos_token_ids), vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _vocabulary_bytes_of(tokenizer: Any) -> list[bytes | None]:
+    return vocabulary_bytes(tokenizer)
 
 
 class ConstrainedLogitsProcessor(LogitsProcessor):

@@ -8,13 +8,11 @@ bookkeeping. xgrammar fills the token bitmask of each row and applies it to the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor
-
-_COMPILED: dict[tuple, Any] = {}
-MAX_COMPILED = 16
 
 
 def _xgrammar() -> Any:
@@ -29,19 +27,18 @@ def _xgrammar() -> Any:
 
 def compile_grammar(grammar: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
     """xgrammar's CompiledGrammar of ``grammar`` for this tokenizer (cached); a bad grammar fails naming the error."""
+    return _compiled(grammar, tokenizer, vocab_size, tuple(eos_token_ids))
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(grammar: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
     xgrammar = _xgrammar()
-    key = (grammar, id(tokenizer), vocab_size, tuple(eos_token_ids))
-    if key not in _COMPILED:
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=eos_token_ids or None)  # fmt: skip
-        try:
-            compiled = xgrammar.GrammarCompiler(info).compile_grammar(grammar)
-        except Exception as error:  # xgrammar raises its own types (RuntimeError, ValueError) for grammar errors
-            raise ValueError(f"grammar does not compile: {error}") from None
-        if len(_COMPILED) >= MAX_COMPILED:
-            _COMPILED.pop(next(iter(_COMPILED)))
-        _COMPILED[key] = compiled
-    return _COMPILED[key]
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                   stop_token_ids=list(eos_token_ids) or None)  # fmt: skip
+    try:
+        return xgrammar.GrammarCompiler(info).compile_grammar(grammar)
+    except Exception as error:  # xgrammar raises its own types (RuntimeError, ValueError) for grammar errors
+        raise ValueError(f"grammar does not compile: {error}") from None
 
 
 def check_grammar(grammar: Any) -> None:
