@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
 import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
 
-from .bench import build_ours, ouro_config
+from .bench import build_ours, ouro_config, timed
 
 
 def gpu_ms(fn, repeats: int = 10) -> float:
@@ -32,36 +31,23 @@ def gpu_ms(fn, repeats: int = 10) -> float:
 def generate_ms_per_token(model: TinyLoopForCausalLM, ids: torch.Tensor) -> float:
     """Wall time per decoded token of plain greedy generate(), prefill excluded (difference of two lengths)."""
 
-    def wall(tokens: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+    def best_of_two(tokens: int) -> float:
+        return min(timed(lambda: model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False))
+                   for _ in range(2))  # fmt: skip
 
-    wall(8)
-    return (min(wall(72) for _ in range(2)) - min(wall(8) for _ in range(2))) / 64 * 1000
+    best_of_two(8)  # warm-up
+    return (best_of_two(72) - best_of_two(8)) / 64 * 1000
 
 
 def ttft_breakdown(model: TinyLoopForCausalLM, ids: torch.Tensor) -> str:
     """generate(max_new_tokens=1) wall time against the prefill forward alone (wall and GPU time)."""
     kwargs = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None)
 
-    def best_wall(fn: Any) -> float:
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1000
-
     def prefill() -> None:
         model(ids, past_key_values=model.new_cache(2 * ids.shape[1]), use_cache=True, logits_to_keep=1)
 
-    generate = best_wall(lambda: model.generate(ids, **kwargs))
-    forward = best_wall(prefill)
+    generate = min(timed(lambda: model.generate(ids, **kwargs)) for _ in range(5)) * 1000
+    forward = min(timed(prefill) for _ in range(5)) * 1000
     gpu = gpu_ms(prefill, repeats=5)
     return (
         f"TTFT: generate(max_new_tokens=1) {generate:.2f} ms wall; the prefill forward alone "
