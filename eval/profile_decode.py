@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--loops", type=int, default=4)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--prefill", action="store_true", help="rank the kernels of the prefill forward instead")
     parser.add_argument(
         "--programmatic-launch", action="store_true", help="capture programmatic launches (A/B of kernels/loader.py)"
     )
@@ -105,8 +106,15 @@ def main() -> None:
         path.use_graphs = False
         eager = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
         print(f"decode step: graph replay {replay:.2f} ms GPU ({wall:.2f} ms wall), eager {eager:.2f} ms")
+        if args.prefill:  # rank the kernels of one eager prompt forward instead of a decode step
+
+            def prefill() -> None:
+                model(ids, past_key_values=model.new_cache(2 * args.context), use_cache=True, logits_to_keep=1)
+
+            print(f"prefill forward, eager: {gpu_ms(prefill, 3):.2f} ms GPU")
+            cache, step = model.new_cache(2 * args.context), ids
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            model(step, past_key_values=cache, use_cache=True)
+            model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)
             torch.cuda.synchronize()
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
 

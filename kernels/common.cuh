@@ -79,6 +79,15 @@ __device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
     }
 }
 
+// 8 fp32 values rounded to T, stored with one 16-byte store (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_row8(T* p, const float (&values)[8]) {
+    T packed[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed[i] = from_float<T>(values[i]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(packed);
+}
+
 __device__ __forceinline__ float silu(float v) { return v / (1.0f + expf(-v)); }
 
 // Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the PDL attribute may start while

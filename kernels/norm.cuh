@@ -11,16 +11,7 @@
 #pragma once
 #include "common.cuh"
 
-
 constexpr int MAX_VECS = 4;
-
-template <typename T>
-__device__ __forceinline__ void store_row8(T* p, const float (&values)[8]) {
-    T packed[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) packed[i] = from_float<T>(values[i]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(packed);
-}
 
 __device__ __forceinline__ float round_to(float v, const __half*) { return __half2float(__float2half_rn(v)); }
 __device__ __forceinline__ float round_to(float v, const __nv_bfloat16*) {

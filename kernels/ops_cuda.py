@@ -45,8 +45,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
     return {
         "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}, {rope}>" for b in (2, 3, 4, 8) for t in types
                           for m, r, sw, k in gemv_variants
-                          for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))]
-        + [f"dequantize_weight<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
+                          for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
+        "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
+        "swiglu.cu": [f"swiglu<{t}>" for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}>" for b in MMA_BITS for t in types
                               for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false")],
@@ -207,24 +208,29 @@ _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
 
 def dequantize_weights(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor:
     """The layers' weights stacked along rows, [sum N, K] in ``dtype``, in a buffer reused by every layer tuple of
-    that shape (fused projections then need one GEMM and no concatenation)."""
-    K, device = layers[0].in_features, layers[0].qweight.device
+    that shape (fused projections then need one GEMM and no concatenation); one launch for up to three layers."""
+    owner = layers[0]
+    fmt, K, device = owner.format, owner.in_features, owner.qweight.device
+    if len(layers) > 3 or any(layer.format != fmt or layer.in_features != K for layer in layers):
+        raise CudaPathUnavailable("one dequantize launch serves up to three layers of one format and in_features")
     rows = [layer.out_features for layer in layers]
     key = (tuple(rows), K, dtype, device)
     out = _DEQUANT_BUFFERS.get(key)
     if out is None:
         out = _DEQUANT_BUFFERS[key] = torch.empty(sum(rows), K, dtype=dtype, device=device)
-    start = 0
-    for layer, N in zip(layers, rows, strict=True):
-        fmt = layer.format
-        words = layer.qweight.numel()
-        name = f"dequantize_weight<{fmt.bits}, {cuda_type(dtype)}>"
-        args = (ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-                ptr(getattr(layer, "zeros", None)), np.uint64(out.data_ptr() + start * K * out.element_size()), i32(N),
-                i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)),
-                i32(fmt.midpoint))  # fmt: skip
-        launch(kernel("gemv_quant.cu", name), (min(4096, math.ceil(words / 256)),), (256,), args)
-        start += N
+    matrices: list = []
+    for index in range(3):
+        if index < len(layers):
+            layer = layers[index]
+            matrices += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
+                         ptr(getattr(layer, "zeros", None)), i32(layer.out_features)]  # fmt: skip
+        else:
+            matrices += [ptr(None)] * 4 + [i32(0)]
+    words = K // (32 // (2 if fmt.bits == 3 else fmt.bits))
+    args = (*matrices, ptr(out), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
+            i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
+    name = f"dequantize_weights<{fmt.bits}, {cuda_type(dtype)}>"
+    launch(kernel("dequantize.cu", name), (min(4096, math.ceil(max(rows) * words / 256)), len(layers)), (256,), args)
     return out
 
 
@@ -249,17 +255,30 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
                      for layer, b in zip(layers, biases, strict=True)]  # fmt: skip
             bias = torch.cat(parts).to(x.dtype)
         y = F.linear(x, weight, bias)
-        if swiglu:
-            gate, up = y.split(layers[0].out_features, dim=-1)
-            return F.silu(gate) * up
-        return y
+        return _swiglu(*y.split(layers[0].out_features, dim=-1)) if swiglu else y
     outputs = []
     for layer in layers:
         weight = dequantize_weight(layer, x.dtype) if isinstance(layer, QuantLinear) else layer.weight
         _check(weight, f"the weight of a {type(layer).__name__}", x.dtype)
         bias = layer.bias.to(x.dtype) if layer.bias is not None else None
         outputs.append(F.linear(x, weight, bias))
-    return F.silu(outputs[0]) * outputs[1] if swiglu else torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+    if swiglu:
+        return _swiglu(*outputs)
+    return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [M, N] halves sharing a row stride (one kernel; PyTorch's two ops where the kernel's
+    16-byte accesses do not fit)."""
+    rows, width = gate.shape
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and t.stride(1) == 1 for t in (gate, up))
+    if width % 8 or not aligned or gate.stride(0) != up.stride(0):
+        return F.silu(gate) * up
+    out = torch.empty(rows, width, dtype=gate.dtype, device=gate.device)
+    args = (ptr(gate), ptr(up), i32(gate.stride(0)), ptr(out), i32(rows), i32(width))
+    launch(kernel("swiglu.cu", f"swiglu<{cuda_type(gate.dtype)}>"), (min(4096, math.ceil(rows * width / 8 / 256)),),
+           (256,), args)  # fmt: skip
+    return out
 
 
 @register_op("quant_linear", CUDA)

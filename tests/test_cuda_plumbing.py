@@ -68,7 +68,15 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
             model(ids[:, 40:41], past_key_values=cache, use_cache=True)
             model(ids[:, 41:], past_key_values=cache, use_cache=True)
     kernels = {name.split("<")[0] for _, name, *_ in launches}
-    expected = {"dequantize_weight", "gemv_quant", "gemm_quant_mma", "paged_decode", "rope_kv_append", "residual_norm"}
+    expected = {
+        "dequantize_weights",
+        "swiglu",
+        "gemv_quant",
+        "gemm_quant_mma",
+        "paged_decode",
+        "rope_kv_append",
+        "residual_norm",
+    }
     assert expected <= kernels
     new_tokens = {int(args[15]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
     assert new_tokens == {1, 3}  # decode, and the 3-token continuation read from the pages
@@ -162,13 +170,14 @@ def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
     ).self_attn
     with torch.no_grad():
         model(torch.randint(1, 256, (1, 40)), past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
-    dequant = [args for _, name, _, args, _ in launches if name.startswith("dequantize_weight")]
-    first_qkv = dequant[:3]  # q, k, v of the first layer, written into consecutive rows of one buffer
-    widths = [layer.out_features for layer in (attention.q_proj, attention.k_proj, attention.v_proj)]
-    assert [int(args[5]) for args in first_qkv] == widths
-    row_bytes = attention.q_proj.in_features * 2  # bf16
-    offsets = [int(args[4]) - int(first_qkv[0][4]) for args in first_qkv]
-    assert offsets == [0, widths[0] * row_bytes, (widths[0] + widths[1]) * row_bytes]
+    dequant = [(grid, args) for _, name, grid, args, _ in launches if name.startswith("dequantize_weights")]
+    grid, args = dequant[0]  # q, k, v of the first layer: one launch, one matrix per grid row, one output buffer
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    assert grid[1] == 3
+    assert [int(args[5 * i]) for i in range(3)] == [p.qweight.data_ptr() for p in projections]
+    assert [int(args[5 * i + 4]) for i in range(3)] == [p.out_features for p in projections]
+    o_grid, o_args = dequant[1]  # o_proj alone
+    assert o_grid[1] == 1 and int(o_args[4]) == attention.o_proj.out_features and int(o_args[9]) == 0
 
 
 def test_programmatic_launch_structs_match_cuda_h():

@@ -72,6 +72,28 @@ def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype):
     assert torch.equal(get_op("quant_linear", "cuda")(x, layer), get_op("quant_linear", REFERENCE)(x, layer))
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("in_features", [96, 320])
+def test_dequantize_launch_stacks_up_to_three_layers_exactly(bits, in_features):
+    fmt = QuantFormat(bits=bits, group_size=32)
+    layers = [_quant_layer(n, in_features, fmt, seed=n).to(torch.bfloat16) for n in (48, 16, 40)]
+    for count in (1, 2, 3):
+        stacked = ops_cuda.dequantize_weights(layers[:count], torch.bfloat16)
+        expected = torch.cat([layer.dequantized_weight() for layer in layers[:count]]).to(torch.bfloat16)
+        assert torch.equal(stacked, expected), count
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_kernel_matches_pytorch(dtype):
+    y = torch.randn(37, 2 * 264, device="cuda", dtype=dtype) * 4
+    gate, up = y.split(264, dim=-1)
+    actual = ops_cuda._swiglu(gate, up)
+    expected = F.silu(gate) * up
+    differing = (actual != expected).sum().item()
+    assert differing <= expected.numel() // 1000, f"{differing} of {expected.numel()} elements differ"
+    assert _relative_error(actual, expected) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_qkv_and_swiglu(dtype):
     fmt = QuantFormat(bits=4, group_size=64)
