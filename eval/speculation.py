@@ -48,11 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-tokens", nargs="+", default=["2", "4", "adaptive"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cuda-path", action="store_true", help="bf16 on the CUDA path (graph-replayed steps)")
     parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.md and OUT.json")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     directory = embedded_model_path()
-    model = TinyLoopForCausalLM.from_pretrained(directory, dtype=torch.float32).to(args.device).eval()
+    dtype = torch.bfloat16 if args.cuda_path else torch.float32
+    model = TinyLoopForCausalLM.from_pretrained(directory, dtype=dtype).to(args.device).eval()
+    if args.cuda_path:
+        model.use_cuda_path()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     batch = prompts(tokenizer, args.prompts, args.prompt_length)
     common = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0)
@@ -95,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(rows[-1]), flush=True)
     header = (
         f"Embedded model (L = {model.config.num_loops}), {len(batch)} held-out prompts of {args.prompt_length} tokens, "
-        f"{args.new_tokens} new tokens each, batch 1, {args.device}, fp32; plain decoding measured in the same process."
+        f"{args.new_tokens} new tokens each, batch 1, {args.device}, {str(dtype).removeprefix('torch.')}"
+        f"{' (CUDA path)' if args.cuda_path else ''}; plain decoding measured in the same process."
     )
     columns = "mode|draft loops|draft tokens|acceptance|tokens / round|plain tok/s|speculative tok/s|speed-up|identical"
     columns = columns.split("|")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
-from tinyloop_hf.paged_cache import PAGE_SIZE, PagedTinyLoopCache
+from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PAGE_SIZE, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
 from .loader import CUDA_TYPE, CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr
@@ -518,7 +518,7 @@ def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: 
 
 
 PAGED_DIMS = (16, 32, 64, 128, 256)
-PAGED_MAX_VECTORS = 8  # query vectors (heads of a KV group x new tokens) one paged-attention CTA serves
+PAGED_MAX_VECTORS = MAX_CONTINUATION_VECTORS  # query vectors (heads of a KV group x new tokens) per CTA
 
 
 def paged_decode(

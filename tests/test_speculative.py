@@ -196,8 +196,39 @@ def test_bad_settings_fail_when_generate_starts(kwargs, match):
         model.generate(PROMPTS[:1], max_new_tokens=3, **kwargs)
 
 
-def test_paged_cache_is_refused_with_the_reason():
-    model = tiny_model("ouro")
+@pytest.mark.parametrize("variant", ["ouro", "huginn", "llama"])
+def test_paged_cache_greedy_equals_plain_decoding(variant):
+    """The CUDA path's paged cache (here on the reference path): one length serves every slot, the verifier steps
+    back over the draft's tokens and appends them at its deeper loops; what it holds afterwards is what plain
+    decoding holds, and a verify never appends more tokens than paged attention serves."""
+    model = tiny_model(variant, num_loops=3)
+    config = model.config
+    longest = PagedTinyLoopCache(config).max_continuation_tokens(config)
+    for ids, mask in ((PROMPTS[:1], None), (PROMPTS, MASK)):
+        caches = [PagedTinyLoopCache(config, capacity=64) for _ in range(2)]
+        want = _generate(model, ids, mask, **{GENERATE_CACHE_KEY: caches[0]})
+        got = _generate(model, ids, mask, draft_loops=1, num_draft_tokens=16, **{GENERATE_CACHE_KEY: caches[1]})
+        assert torch.equal(got, want), variant
+        stats = model.speculation_stats
+        assert stats.rounds > 0 and max(stats.draft_lengths) == longest - 1
+        assert caches[0].length == caches[1].length == got.shape[1] - 1
+        assert caches[0].slot_lengths == caches[1].slot_lengths
+        for slot in caches[0].slot_lengths:
+            plain, speculative = (cache.gather(slot, cache.length, torch.float32) for cache in caches)
+            for want_kv, got_kv in zip(plain, speculative, strict=True):
+                torch.testing.assert_close(got_kv, want_kv, rtol=1e-4, atol=1e-5)
+
+
+def test_paged_resume_steps_back_over_the_draft():
+    model = tiny_model("huginn", num_loops=3)
+    assert model.config.num_coda_layers == 1
     cache = PagedTinyLoopCache(model.config, capacity=64)
-    with pytest.raises(ValueError, match="not supported on the CUDA path yet"):
-        model.generate(PROMPTS[:1], max_new_tokens=3, draft_loops=1, **{GENERATE_CACHE_KEY: cache})
+    with torch.no_grad():
+        model(PROMPTS[:1], past_key_values=cache, use_cache=True)
+    coda = cache.slot_index("coda", 0)
+    before = dict(cache.slot_lengths)
+    cache.prepare_resume(2)
+    assert cache.length == PROMPTS.shape[1] - 2 and cache.slot_lengths[coda] == cache.length
+    assert all(cache.slot_lengths[slot] == before[slot] for slot in before if slot != coda)  # pages keep the rest
+    with pytest.raises(ValueError, match="cannot resume 9 tokens"):
+        cache.prepare_resume(9)

@@ -222,6 +222,17 @@ class TinyLoopCache(Cache):
                     target = self.layers[self.slot_index("loop", layer, loop)]
                     target.fill_rows(self.layers[self.slot_index("loop", layer, source_loop)], rows, start, steps)
 
+    def prepare_resume(self, new_tokens: int) -> None:
+        """Before a self-speculative verifier resumes the last ``new_tokens`` tokens (a draft ran them through the
+        prelude, the first loops and the coda): their coda K/V, computed from a shallower state, are dropped; the
+        verifier appends them again with its deeper loops."""
+        for index in range(self.num_coda_layers):
+            self.layers[self.slot_index("coda", index)].crop(-new_tokens)
+
+    def max_continuation_tokens(self, config: TinyLoopConfig) -> int | None:
+        """New tokens per row one continuation step (a speculative verify) may append; None: no limit."""
+        return None
+
     def describe_slot(self, index: int) -> str:
         if index < self.num_prelude_layers:
             return f"(prelude layer {index})"

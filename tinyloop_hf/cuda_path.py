@@ -11,6 +11,7 @@ streamers, return types) is untouched: the graph only replaces the forward call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,16 @@ class _Graph:
     slots: list[int]
 
 
+@dataclass
+class _StepGraph:
+    """A captured continuation step other than plain decode (a self-speculative draft step or verify)."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]
+    slots: list[int]
+
+
 class CudaPath:
     def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool) -> None:
         from .kernels import ops_cuda  # noqa: F401  (registers the "cuda" ops)
@@ -53,7 +64,7 @@ class CudaPath:
         self.model = model
         self.kv_cache_dtype = check_kv_dtype(kv_cache_dtype)
         self.storages: dict[tuple, PagedStorage] = {}
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[tuple, _Graph | _StepGraph] = {}
         self.warmed: set[tuple] = set()
         self.use_graphs = cuda_graphs
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
@@ -220,3 +231,48 @@ class CudaPath:
             ),
         )
         return _Graph(graph, static_ids, static_positions, hidden, slots)
+
+    # -- self-speculative decoding: draft steps and verifies ------------------------------------------------------
+
+    def serves_steps(self, cache: Any) -> bool:
+        """Whether continuation steps on ``cache`` can be graph-replayed (see continuation_step)."""
+        return (
+            self.use_graphs
+            and isinstance(cache, PagedTinyLoopCache)
+            and cache.storage is not None
+            and cache.length > 0
+            and not torch.is_grad_enabled()
+            and self.model.config.initial_state != "random"
+        )
+
+    def continuation_step(
+        self,
+        name: tuple,
+        inputs: dict[str, torch.Tensor],
+        cache: PagedTinyLoopCache,
+        step: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, ...]:
+        """``step(inputs)``: a forward of ``inputs["positions"].shape[1]`` new tokens per row on ``cache`` (it must
+        take its attention mask as None: the pages know each row's start). Like decode, the first call of a key runs
+        eagerly, the second captures, and later calls copy ``inputs`` into the graph's buffers and replay it; the
+        cache's device metadata (lengths, positions) is filled before each replay."""
+        key = (*name, id(cache.storage), cache.storage.capacity)
+        if cache.length + inputs["positions"].shape[1] > cache.storage.capacity:
+            return step(inputs)  # the storage grows (a graph keeps its buffers): eager, a new key afterwards
+        if key not in self.warmed:
+            self.warmed.add(key)
+            return step(inputs)
+        if key not in self.graphs:
+            static = {label: tensor.clone() for label, tensor in inputs.items()}
+            graph, outputs, slots = self._record(cache, lambda: step(static))
+            self.graphs[key] = _StepGraph(graph, static, outputs, slots)
+        entry = self.graphs[key]
+        for label, tensor in inputs.items():
+            entry.inputs[label].copy_(tensor)
+        positions = inputs["positions"]
+        cache.begin_step(positions.shape[0], positions.shape[1], None, entry.outputs[0])
+        for slot in entry.slots:
+            cache.mark_written(slot)
+        entry.graph.replay()
+        cache.end_step()
+        return tuple(output.clone() for output in entry.outputs)

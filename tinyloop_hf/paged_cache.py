@@ -25,6 +25,8 @@ from .compat import graph_capturing
 from .configuration_tinyloop import TinyLoopConfig
 
 PAGE_SIZE = 16
+MAX_CONTINUATION_VECTORS = 8  # query vectors (query heads of a KV group x new tokens) of one paged-attention CTA
+STEP_POSITION_SLOTS = 32  # new tokens per row whose cache positions a captured continuation step reads from memory
 KV_DTYPES = ("auto", "int8")
 _LEFT_PADDING_ONLY = (
     "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
@@ -57,12 +59,17 @@ class PagedStorage:
         self.blocks_per_row = math.ceil(self.capacity / PAGE_SIZE)
         blocks = torch.arange(self.batch * self.blocks_per_row, dtype=torch.int32, device=self.device)
         self.block_table = blocks.view(self.batch, self.blocks_per_row)
-        # Per-step metadata in device memory (graph-safe): decode positions, lengths, first valid position.
-        self.decode_positions = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
+        # Per-step metadata in device memory (graph-safe): cache positions of a continuation step's tokens (row-major
+        # [B, S]), lengths, first valid position.
+        self.positions = torch.zeros(self.batch * STEP_POSITION_SLOTS, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
         self.starts = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
         # Split-KV decode: per (row, KV head), how many splits have finished (the last one merges and resets it).
         self.split_counters = torch.zeros(self.batch * self.kv_heads, dtype=torch.int32, device=self.device)
+
+    def step_positions(self, new_tokens: int) -> torch.Tensor:
+        """The int32 [B * new_tokens] view of the positions buffer a continuation step (decode: 1 token) reads."""
+        return self.positions[: self.batch * new_tokens]
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
         if index not in self.pages:
@@ -114,17 +121,20 @@ class PagedTinyLoopCache(TinyLoopCache):
     def begin_step(self, batch: int, new_tokens: int, attention_mask: torch.Tensor | None, like: torch.Tensor) -> None:
         """Called by the model before its layers run: reserve room and fill the step's device metadata."""
         needed = self.length + new_tokens
-        if new_tokens == 1 and graph_capturing():  # a decode graph: each replay's metadata is filled beforehand
-            self.step_positions, self.step_tokens = self.storage.decode_positions, new_tokens
+        continuation = self.length > 0 and new_tokens <= STEP_POSITION_SLOTS
+        if continuation and graph_capturing():  # a decode / verify graph: each replay's metadata is filled before it
+            self.step_positions, self.step_tokens = self.storage.step_positions(new_tokens), new_tokens
             return
         self.reserve(batch, needed, like.dtype, like.device)
         storage = self.storage
-        if new_tokens == 1:
-            storage.decode_positions.fill_(self.length)
-            self.step_positions = storage.decode_positions
+        if continuation:  # into the buffer a captured graph reads
+            self.step_positions = storage.step_positions(new_tokens)
+            if new_tokens == 1:
+                self.step_positions.fill_(self.length)
+            else:
+                self.step_positions.copy_(torch.arange(self.length, needed, dtype=torch.int32).repeat(batch))
         else:
-            positions = torch.arange(self.length, needed, dtype=torch.int32, device=like.device)
-            self.step_positions = positions.repeat(batch)
+            self.step_positions = torch.arange(self.length, needed, dtype=torch.int32, device=like.device).repeat(batch)
         storage.lengths.fill_(needed)
         if self.length == 0:
             self._set_starts(attention_mask)
@@ -253,6 +263,22 @@ class PagedTinyLoopCache(TinyLoopCache):
             raise ValueError(f"cannot crop {-tokens_to_remove} tokens from a cache holding {self.length}")
         self.length = keep
         self.slot_lengths = {slot: min(held, keep) for slot, held in self.slot_lengths.items()}
+
+    def prepare_resume(self, new_tokens: int) -> None:
+        """The paged form of TinyLoopCache.prepare_resume: one length serves every slot, so the cache steps back
+        ``new_tokens``; the verifier's step then appends them to its deeper loop slots and the coda (which it
+        rewrites), while the shallower slots keep their draft K/V (the pages hold them; nothing is copied)."""
+        if not 0 < new_tokens <= self.length:
+            raise ValueError(f"cannot resume {new_tokens} tokens of a cache holding {self.length}")
+        self.length -= new_tokens
+        for index in range(self.num_coda_layers):
+            slot = self.slot_index("coda", index)
+            self.slot_lengths[slot] = min(self.slot_lengths.get(slot, 0), self.length)
+
+    def max_continuation_tokens(self, config: TinyLoopConfig) -> int:
+        """New tokens per row one continuation step (a speculative verify) may append: paged attention serves
+        MAX_CONTINUATION_VECTORS query vectors per KV head."""
+        return max(1, MAX_CONTINUATION_VECTORS // (config.num_attention_heads // config.num_key_value_heads))
 
     def reset(self) -> None:
         self.length, self.slot_lengths = 0, {}

@@ -110,6 +110,7 @@ def self_speculative_sample(
     draft_tokens = getattr(generation_config, "num_draft_tokens", None)
     adaptive = draft_tokens is None or draft_tokens == ADAPTIVE
     k_now = ADAPTIVE_START if adaptive else draft_tokens
+    longest_verify = cache.max_continuation_tokens(model.config) or ADAPTIVE_MAX + 1  # tokens a verify may append
     stats = SpeculationStats(draft_loops=draft_loops, full_loops=full_loops)
     model.speculation_stats = stats
 
@@ -149,7 +150,7 @@ def self_speculative_sample(
     processed = logits_processor(input_ids, logits)
     done = emit(_choose(processed, do_sample), processed, logits)
     while not done:
-        k = max(0, min(k_now, generation_config.max_length - input_ids.shape[1] - 1))
+        k = max(0, min(k_now, generation_config.max_length - input_ids.shape[1] - 1, longest_verify - 1))
         past = cache.get_seq_length()  # P: every slot holds the same tokens between rounds
         drafts, draft_probs, loop_inputs, states = _draft(
             model, input_ids, mask, cache, logits_processor, k, draft_loops, do_sample
@@ -202,16 +203,8 @@ def self_speculative_sample(
 
 
 def _check_model_kwargs(model: Any, cache: Any, model_kwargs: dict[str, Any]) -> None:
-    from .paged_cache import PagedTinyLoopCache
-
     if not isinstance(cache, TinyLoopCache):
         raise ValueError("draft_loops needs the KV cache (use_cache=True): drafts and verifier share it")
-    if isinstance(cache, PagedTinyLoopCache):
-        raise ValueError(
-            "draft_loops is not supported on the CUDA path yet (its paged cache keeps one length per row, and "
-            "self-speculation needs shallow and deep loop slots of different lengths); use the reference path "
-            "(model.use_reference_path()) for self-speculative decoding"
-        )
     for name in ("exit_threshold", "exit_at_step", "use_weighted_exit", "early_exit"):
         if model_kwargs.get(name):
             raise ValueError(f"draft_loops verifies at a fixed depth and cannot be combined with {name}")
@@ -230,6 +223,21 @@ def _choose(processed: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return processed.argmax(dim=-1)
 
 
+def _graph_path(model: Any, cache: TinyLoopCache) -> Any:
+    """The model's CUDA path when it can replay draft steps and verifies on ``cache`` as CUDA graphs, else None."""
+    path = getattr(model, "_cuda_path", None)
+    return path if path is not None and path.serves_steps(cache) else None
+
+
+def _token_positions(mask: torch.Tensor | None, length: int, tokens: int, device: torch.device) -> torch.Tensor:
+    """RoPE positions [B or 1, tokens] of the last token of a sequence of ``length`` and the ``tokens`` - 1 after it
+    (left padding is not counted: the positions follow the attention mask)."""
+    if mask is None:
+        return torch.arange(length - 1, length - 1 + tokens, device=device)[None]
+    mask = torch.cat([mask, mask.new_ones(mask.shape[0], tokens - 1)], dim=-1)
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -tokens:]
+
+
 def _draft(
     model: Any,
     input_ids: torch.Tensor,
@@ -244,21 +252,35 @@ def _draft(
     after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft)."""
     batch = input_ids.shape[0]
     token, prefix = input_ids[:, -1:], input_ids
+    positions = _token_positions(mask, input_ids.shape[1], k + 1, input_ids.device).expand(batch, -1)
+    path = _graph_path(model, cache)
     drafts: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
     loop_inputs: list[torch.Tensor] = []
     states: list[torch.Tensor] = []
+
+    def step(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Draft logits [B, V] (fp32), loop input and state [B, 1, H] of one token; the attention mask is None on
+        the graph path (the paged cache knows where each row starts) and the step's mask otherwise."""
+        out = model.model(input_ids=inputs["ids"], attention_mask=inputs.get("mask"), position_ids=inputs["positions"],
+                          cache=cache, use_cache=True, num_loops=draft_loops, output_hidden_states=True)  # fmt: skip
+        return model.lm_head(out.last_hidden_state[:, -1]).float(), out.hidden_states[0], out.hidden_states[-1]
+
     cache.fill_deeper_loops = False  # the verifier computes the deeper loops of these tokens
     try:
         for i in range(k + 1):
-            step_mask = None if mask is None else torch.cat([mask, mask.new_ones(batch, i)], dim=-1)
-            out = model.model(input_ids=token, attention_mask=step_mask, cache=cache, use_cache=True,
-                              num_loops=draft_loops, output_hidden_states=True)  # fmt: skip
-            loop_inputs.append(out.hidden_states[0])
-            states.append(out.hidden_states[-1])
+            inputs = {"ids": token, "positions": positions[:, i : i + 1]}
+            if path is not None:
+                logits, loop_input, state = path.continuation_step(("draft", batch, draft_loops), inputs, cache, step)
+            else:
+                if mask is not None:
+                    inputs["mask"] = torch.cat([mask, mask.new_ones(batch, i)], dim=-1)
+                logits, loop_input, state = step(inputs)
+            loop_inputs.append(loop_input)
+            states.append(state)
             if i == k:
                 break
-            processed = logits_processor(prefix, model.lm_head(out.last_hidden_state[:, -1]).float())
+            processed = logits_processor(prefix, logits)
             if do_sample:
                 probs.append(torch.softmax(processed, dim=-1))
                 token = torch.multinomial(probs[-1], num_samples=1)
@@ -285,18 +307,23 @@ def _verify(
     full_loops: int,
 ) -> torch.Tensor:
     """Raw target logits [B, k + 1, V] (fp32) of x, d_1, ..., d_k, resuming the draft at loop draft_loops."""
-    base = model.model
-    for index in range(base.config.num_coda_layers):  # computed from the draft's shallower state
-        cache.layers[cache.slot_index("coda", index)].crop(-(k + 1))
+    cache.prepare_resume(k + 1)  # the draft's coda K/V of these tokens came from a shallower state
     batch = loop_inputs[0].shape[0]
-    if mask is not None:
-        mask = torch.cat([mask, mask.new_ones(batch, k)], dim=-1)  # x is the last column of the current mask
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -(k + 1) :]
-    else:
-        positions = torch.arange(length - 1, length + k, device=loop_inputs[0].device)[None]
-    hidden = base.resume(torch.cat(loop_inputs, dim=1), torch.cat(states, dim=1), draft_loops, full_loops, positions,
-                         mask, cache, past)  # fmt: skip
-    return model.lm_head(hidden).float()
+    positions = _token_positions(mask, length, k + 1, loop_inputs[0].device)
+    inputs = {"loop_input": torch.cat(loop_inputs, dim=1), "state": torch.cat(states, dim=1),
+              "positions": positions.expand(batch, -1)}  # fmt: skip
+    path = _graph_path(model, cache)
+    if mask is not None and path is None:
+        inputs["mask"] = torch.cat([mask, mask.new_ones(batch, k)], dim=-1)  # x is the last column of the mask
+
+    def step(inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden = model.model.resume(inputs["loop_input"], inputs["state"], draft_loops, full_loops,
+                                    inputs["positions"], inputs.get("mask"), cache, past)  # fmt: skip
+        return (model.lm_head(hidden).float(),)
+
+    if path is not None:
+        return path.continuation_step(("verify", batch, k + 1, draft_loops, full_loops), inputs, cache, step)[0]
+    return step(inputs)[0]
 
 
 def _accepted_drafts(

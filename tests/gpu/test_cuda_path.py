@@ -171,3 +171,36 @@ def test_prefill_graph_equals_eager(variant):
         got = fast.generate(ids, max_new_tokens=6, do_sample=False)
         assert torch.equal(got, want)
     assert any(key[0] == "prefill" for key in fast._cuda_path.graphs)
+
+
+def _assert_greedy_agrees(got, plain):
+    """Speculative greedy tokens equal plain greedy decoding's, except after a near-tie of plain's own scores (the
+    verifier runs the tensor-core kernels over k + 1 tokens where plain decoding runs the one-row GEMV)."""
+    want = plain.sequences
+    assert got.shape == want.shape
+    differ = (got != want).nonzero()
+    if differ.numel():
+        row, column = differ[0].tolist()
+        scores = plain.scores[column - (want.shape[1] - len(plain.scores))][row].float()
+        margin = (scores[want[row, column]] - scores[got[row, column]]).abs().item()
+        assert margin < 0.05, f"row {row} diverges at {column} with a score margin of {margin}"
+
+
+@pytest.mark.parametrize("variant,quant", [("ouro", "fp16"), ("huginn", "int4-g32"), ("llama", "int8")])
+def test_self_speculation_on_the_cuda_path(variant, quant):
+    model = _model(variant, QUANTS[quant], num_loops=3).use_cuda_path()
+    ids = IDS[:2].cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    common = dict(attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    plain = model.generate(ids, return_dict_in_generate=True, output_scores=True, **common)
+    for draft_tokens in (3, "adaptive"):
+        got = model.generate(ids, draft_loops=1, num_draft_tokens=draft_tokens, **common)
+        _assert_greedy_agrees(got, plain)
+        stats = model.speculation_stats
+        assert stats.rounds > 2 and max(stats.draft_lengths) <= 7  # paged attention: up to 8 query vectors per CTA
+    kinds = {key[0] for key in model._cuda_path.graphs}
+    assert {"draft", "verify"} <= kinds  # later rounds replay captured graphs
+    # Drafting at full depth: drafts differ from the verifier only where its coda over k + 1 tokens breaks a tie.
+    _assert_greedy_agrees(model.generate(ids, draft_loops=3, num_draft_tokens=4, **common), plain)
+    assert model.speculation_stats.acceptance_rate >= 0.9
