@@ -203,6 +203,7 @@ def split_groups(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
     """Round-to-nearest quantization of ``weight`` [N, K]."""
+    weight = weight.detach()  # packed tensors must not keep an autograd graph (and the weights it saved) alive
     rows, columns = weight.shape
     fmt.check_shape(columns)
     grouped = split_groups(weight, fmt)
