@@ -20,7 +20,21 @@ from .quantize import quantize_model
 from .report import calibration_windows, format_table, text_windows
 from .report import compare as compare_quality
 
-COMPONENT_FLAGS = {"prelude": "prelude_bits", "loop": "loop_bits", "coda": "coda_bits", "lm_head": "head_bits"}
+COMPONENT_FLAGS = {
+    "prelude": "prelude_bits",
+    "loop": "loop_bits",
+    "coda": "coda_bits",
+    "lm_head": "head_bits",
+    "embed_tokens": "embed_bits",
+}
+COMPONENT_HELP = {
+    "prelude": "bits for the prelude layers (default: --bits)",
+    "loop": "bits for the loop block and its input injection (default: --bits)",
+    "coda": "bits for the coda layers (default: --bits)",
+    "lm_head": "bits for the LM head (default: 16; 8 is per output channel)",
+    "embed_tokens": "bits for the token embedding table (default: 16; 8 is per vocabulary row; a tied head keeps "
+    "its own copy)",
+}
 BITS = [16, 8, 4, 3, 2]
 
 
@@ -64,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             dest=dest,
             type=int,
             choices=BITS,
-            help=f"bits for the {component} (default: --bits; lm_head: 16)",
+            help=COMPONENT_HELP[component],
         )
     quant.add_argument(
         "--eval-text",
@@ -88,8 +102,9 @@ def quantization_config(args: argparse.Namespace) -> TinyLoopQuantConfig | None:
         for component, dest in COMPONENT_FLAGS.items()
         if (bits := getattr(args, dest)) is not None
     }
-    if components.get("lm_head", {}).get("bits") == 8:
-        components["lm_head"]["group_size"] = None  # an INT8 head is per output channel
+    for component in ("lm_head", "embed_tokens"):
+        if components.get(component, {}).get("bits") == 8:
+            components[component]["group_size"] = None  # INT8 tables are per row: nearly lossless, little overhead
     config = TinyLoopQuantConfig(
         bits=args.bits,
         group_size=None if args.group_size == "channel" else int(args.group_size),

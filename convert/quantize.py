@@ -2,7 +2,9 @@
 
 GPTQ walks the model in execution order and quantizes one layer at a time from Hessians of its real inputs:
 prelude layers, then each loop-block layer j (its Hessian sums the inputs of *every* loop, since the same weights
-serve all of them; layers before j are already quantized in every loop), then coda layers and the head.
+serve all of them; layers before j are already quantized in every loop), then coda layers and the head. The token
+embedding, when selected, is a lookup table with no input activations and so no Hessian: it is rounded to nearest
+under both methods, first, so that GPTQ calibrates every layer on what the quantized embedding produces.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.modeling_tinyloop import _ForwardContext
 from tinyloop_hf.ops_tinyloop import rope_angles
 from tinyloop_hf.quant_tinyloop import PackedWeight, quantize_rtn
-from tinyloop_hf.quantizer_tinyloop import TinyLoopQuantConfig, swap_in_quant_linear
+from tinyloop_hf.quantizer_tinyloop import (
+    TinyLoopQuantConfig,
+    check_targets,
+    quantization_targets,
+    swap_in_quantized,
+    tied_components,
+)
 
 from .gptq import HessianAccumulator, gptq_quantize
 
@@ -30,33 +38,38 @@ def quantize_model(
     batch_size: int = 8,
     progress: bool = True,
 ) -> TinyLoopForCausalLM:
-    """Replace the linears selected by ``config`` with QuantLinear; ``calibration``: token ids [n, T] for GPTQ."""
-    for name, module in model.named_modules():
-        if _target(config, name, module):
-            config.format_for(name).check_shape(module.in_features, name)  # fail before any work is done
-    if model.config.tie_word_embeddings and config.format_for("lm_head") is not None:
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # the head stops sharing
+    """Replace the linears selected by ``config`` with QuantLinear, and the token embedding with QuantEmbedding
+    when ``config`` selects ``embed_tokens``; ``calibration``: token ids [n, T] for GPTQ."""
+    check_targets(model, config)  # fail before any work is done
+    if config.method == "gptq" and calibration is None:
+        raise ValueError("GPTQ needs calibration token ids (tinyloop-convert --calib FILE)")
+    if tied_components(model, config):
+        # The head and the embedding stop sharing one tensor: each keeps its own copy, quantized or not.
+        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
         model.config.tie_word_embeddings = False
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)  # now empty
+    targets = quantization_targets(model, config)
     if config.method == "gptq":
-        if calibration is None:
-            raise ValueError("GPTQ needs calibration token ids (tinyloop-convert --calib FILE)")
+        for name, module in targets.items():
+            if isinstance(module, nn.Embedding):  # no Hessian for a lookup table (see the module docstring)
+                _swap(model, name, module, quantize_rtn(module.weight, config.format_for(name)), config)
         _GPTQ(model, config, calibration, batch_size, progress).run()
     else:
-        targets = [(name, module) for name, module in model.named_modules() if _target(config, name, module)]
-        for name, module in tqdm(targets, desc="RTN", disable=not progress):
+        for name, module in tqdm(targets.items(), desc="RTN", disable=not progress):
             _swap(model, name, module, quantize_rtn(module.weight, config.format_for(name)), config)
     model.config.quantization_config = config
     return model
 
 
 def _target(config: TinyLoopQuantConfig, name: str, module: nn.Module) -> bool:
+    """A linear that GPTQ quantizes (the embedding is rounded to nearest before GPTQ starts)."""
     return isinstance(module, nn.Linear) and config.format_for(name) is not None
 
 
-def _swap(model: nn.Module, name: str, module: nn.Linear, packed: PackedWeight, config: TinyLoopQuantConfig) -> None:
-    quantized = swap_in_quant_linear(model, name, module, config.format_for(name))
+def _swap(model: nn.Module, name: str, module: nn.Module, packed: PackedWeight, config: TinyLoopQuantConfig) -> None:
+    quantized = swap_in_quantized(model, name, module, config.format_for(name))
     quantized.load_packed(packed)
-    if module.bias is not None:
+    if getattr(module, "bias", None) is not None:
         quantized.bias = nn.Parameter(module.bias.detach().clone())
     quantized.to(module.weight.device)
 

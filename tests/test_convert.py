@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import REFERENCE, byte_tokenizer
-from tinyloop_hf import TinyLoopForCausalLM
-from tinyloop_hf.convert import ConversionError, convert_checkpoint
+from tinyloop_hf import QuantEmbedding, TinyLoopForCausalLM
+from tinyloop_hf.convert import ConversionError, build_model, convert_checkpoint, read_source
 from tinyloop_hf.convert.__main__ import main as convert_main
 
 
@@ -249,3 +249,17 @@ def test_layers_that_cannot_be_packed_are_named_by_the_converter(tmp_path, capsy
     source = _copy_source("ouro-tiny", tmp_path)  # intermediate_size 176 is not a multiple of 32
     assert convert_main([str(source), str(tmp_path / "q"), "--bits", "4", "--no-report"]) == 2
     assert "model.loop_layers.0.mlp.down_proj: in_features=176 must be a multiple of 32" in capsys.readouterr().err
+
+
+def test_the_converter_quantizes_the_embedding_of_a_tied_model(tmp_path, capsys):
+    source = _copy_source("huginn-tiny", tmp_path)  # tie_embeddings: true
+    assert convert_main([str(source), str(tmp_path / "q"), "--embed-tokens-bits", "8", "--no-report"]) == 0
+    assert "embed_tokens=8/channel/asym (rtn)" in capsys.readouterr().out
+    model = TinyLoopForCausalLM.from_pretrained(tmp_path / "q")
+    reference = build_model(read_source(source))
+    assert isinstance(model.model.embed_tokens, QuantEmbedding) and model.model.embed_tokens.format.group_size is None
+    assert not model.config.tie_word_embeddings and torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -237,3 +238,12 @@ def test_quantized_checkpoint_loads_in_a_fresh_process_through_auto_map(tmp_path
     lines = result.stdout.strip().splitlines()
     assert lines[-2] == "QuantLinear"
     assert torch.equal(torch.tensor(json.loads(lines[-1])), expected)
+
+
+def test_rtn_packed_tensors_keep_no_autograd_graph():
+    model = quantize_model(_model(), TinyLoopQuantConfig(bits=4, group_size=32), progress=False)
+    assert all(buffer.grad_fn is None and not buffer.requires_grad for buffer in model.buffers())
+    copied = copy.deepcopy(model)  # a graph in a buffer made deepcopy fail
+    ids = torch.randint(1, 256, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(copied(ids).logits, model(ids).logits)

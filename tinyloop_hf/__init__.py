@@ -12,7 +12,7 @@ from .embedded import embedded_model_path
 from .modeling_tinyloop import TinyLoopForCausalLM, TinyLoopModel
 from .ops_tinyloop import get_op, register_op
 from .paged_cache import PagedTinyLoopCache
-from .quant_tinyloop import QuantFormat, QuantLinear
+from .quant_tinyloop import QuantEmbedding, QuantFormat, QuantLinear
 from .quantizer_tinyloop import TinyLoopQuantConfig  # also registers the "tinyloop" quantizer with transformers
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ AutoModel.register(TinyLoopConfig, TinyLoopModel, exist_ok=True)
 AutoModelForCausalLM.register(TinyLoopConfig, TinyLoopForCausalLM, exist_ok=True)
 
 __all__ = [
+    "QuantEmbedding",
     "QuantFormat",
     "QuantLinear",
     "PagedTinyLoopCache",

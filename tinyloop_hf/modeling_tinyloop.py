@@ -24,7 +24,7 @@ from .configuration_tinyloop import TinyLoopConfig, is_int
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import EarlyExit, exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
-from .quant_tinyloop import packed_shape_errors
+from .quant_tinyloop import PackedModule, packed_shape_errors
 
 LoopCount = int | Sequence[int] | torch.Tensor
 
@@ -310,6 +310,21 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         for module in self.modules():
             if isinstance(module, TinyLoopPreTrainedModel):
                 module._cuda_path = path
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """As transformers' method, for unquantized tables: packed rows (QuantEmbedding, a QuantLinear head) have
+        no ``weight`` to resize, so resize before quantizing."""
+        packed = [
+            type(module).__name__
+            for module in (self.get_input_embeddings(), self.get_output_embeddings())
+            if isinstance(module, PackedModule)
+        ]
+        if packed:
+            raise ValueError(
+                f"resize_token_embeddings: the model's {' and '.join(packed)} holds packed low-bit rows that cannot "
+                f"be resized; resize the unquantized model, then quantize it"
+            )
+        return super().resize_token_embeddings(*args, **kwargs)
 
     def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
         # Custom generation fields are dropped on reload when the config says it was derived from the model config.

@@ -1,7 +1,8 @@
-"""Low-bit weight formats (INT8 / INT4 / INT3 / INT2), their packing, and QuantLinear.
+"""Low-bit weight formats (INT8 / INT4 / INT3 / INT2), their packing, QuantLinear and QuantEmbedding.
 
 Layout of a QuantLinear with ``out_features = N`` rows and ``in_features = K`` columns (the checkpoint layout is
-the kernel layout; nothing is repacked after loading):
+the kernel layout; nothing is repacked after loading). A QuantEmbedding stores its table the same way, with one row
+per vocabulary entry and ``embedding_dim`` columns:
 
 * ``w = (q - z) * s`` per group of ``g`` consecutive columns of a row. ``q`` is the unsigned code in
   ``[0, 2^b)``; ``z`` is an integer zero point (``zeros``, uint8 [N, K/g]) for asymmetric formats and the fixed
@@ -70,12 +71,13 @@ class QuantFormat:
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size is None else self.group_size
 
-    def check_shape(self, in_features: int, name: str = "layer") -> None:
-        if in_features % 32:
-            raise ValueError(f"{name}: in_features={in_features} must be a multiple of 32 to be packed")
+    def check_shape(self, columns: int, name: str = "layer", what: str = "in_features") -> None:
+        """``columns``: the packed row's length (a linear's in_features, an embedding's embedding_dim)."""
+        if columns % 32:
+            raise ValueError(f"{name}: {what}={columns} must be a multiple of 32 to be packed")
 
     def tensor_shapes(self, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Name -> (shape, dtype) of every tensor a QuantLinear of this format stores."""
+        """Name -> (shape, dtype) of every tensor a QuantLinear (or QuantEmbedding) of this format stores."""
         groups = self.groups(in_features)
         low_bits = 2 if self.bits == 3 else self.bits
         shapes = {
@@ -94,16 +96,17 @@ class QuantFormat:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _field_order(per_word: int) -> torch.Tensor:
-    """Column offsets in field order: even columns, then odd ones (each half of the word in ascending order)."""
-    return torch.cat((torch.arange(0, per_word, 2), torch.arange(1, per_word, 2)))
+def _field_order(per_word: int, device: torch.device) -> torch.Tensor:
+    """Column offsets in field order: even columns, then odd ones (each half of the word in ascending order).
+    Made on ``device``: a host tensor copied over would synchronize, which a CUDA-graph capture forbids."""
+    return torch.cat((torch.arange(0, per_word, 2, device=device), torch.arange(1, per_word, 2, device=device)))
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint codes [N, K] (< 2^bits, bits in 1, 2, 4, 8) -> int32 words [N, K*bits/32] in the documented order."""
     per_word = 32 // bits
     rows, columns = codes.shape
-    order = _field_order(per_word).to(codes.device)
+    order = _field_order(per_word, codes.device)
     fields = codes.to(torch.int64).reshape(rows, columns // per_word, per_word)[..., order]
     shifts = torch.arange(per_word, dtype=torch.int64, device=codes.device) * bits
     words = (fields << shifts).sum(-1)  # < 2^32, exact in int64
@@ -116,7 +119,7 @@ def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(per_word, dtype=torch.int64, device=words.device) * bits
     fields = (words.to(torch.int64)[..., None] >> shifts) & (2**bits - 1)  # [N, W, per_word], field order
     codes = torch.empty_like(fields)
-    codes[..., _field_order(per_word).to(words.device)] = fields
+    codes[..., _field_order(per_word, words.device)] = fields
     return codes.flatten(-2)
 
 
@@ -203,6 +206,7 @@ def split_groups(weight: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
     """Round-to-nearest quantization of ``weight`` [N, K]."""
+    weight = weight.detach()  # packed tensors must not keep an autograd graph (and the weights it saved) alive
     rows, columns = weight.shape
     fmt.check_shape(columns)
     grouped = split_groups(weight, fmt)
@@ -213,28 +217,20 @@ def quantize_rtn(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# QuantLinear
+# Packed modules: QuantLinear, QuantEmbedding
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@register_op("quant_linear", REFERENCE)
-def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
-    """y = x dequantize(W)^T + b: exactly F.linear on the dequantized weight cast to x.dtype."""
-    weight = dequantize(layer.packed(), layer.format).to(x.dtype)
-    return torch.nn.functional.linear(x, weight, layer.bias)
+class PackedModule(nn.Module):
+    """What QuantLinear and QuantEmbedding share: one packed matrix of ``packed_dims`` = (rows, columns) in
+    ``format`` (buffers qweight / scales / zeros / qweight_high), loading and dequantizing it, and the dtype rule."""
 
-
-class QuantLinear(nn.Module):
-    """A linear layer with packed low-bit weights (see the module docstring for the layout)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat, name: str = "") -> None:
+    def __init__(self, rows: int, columns: int, fmt: QuantFormat, name: str, what: str) -> None:
         super().__init__()
-        fmt.check_shape(in_features, name or "QuantLinear")
-        self.in_features, self.out_features, self.format = in_features, out_features, fmt
-        for tensor_name, (shape, dtype) in fmt.tensor_shapes(out_features, in_features).items():
+        fmt.check_shape(columns, name, what)
+        self.format, self.packed_dims = fmt, (rows, columns)
+        for tensor_name, (shape, dtype) in fmt.tensor_shapes(rows, columns).items():
             self.register_buffer(tensor_name, torch.zeros(shape, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.op_backend = REFERENCE
 
     def packed(self) -> PackedWeight:
         return PackedWeight(
@@ -254,10 +250,7 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.packed(), self.format)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return get_op("quant_linear", self.op_backend)(x, self)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> QuantLinear:
+    def _apply(self, fn: Any, recurse: bool = True) -> PackedModule:
         # model.to(dtype) must not re-round the stored scales: keep their dtype, follow only the device move.
         scales = self.scales
         super()._apply(fn, recurse)
@@ -265,23 +258,85 @@ class QuantLinear(nn.Module):
             self.scales = scales.to(self.scales.device)
         return self
 
-    def extra_repr(self) -> str:
+    def _format_repr(self) -> str:
         fmt = self.format
         kind = "sym" if fmt.symmetric else "asym"
+        return f"bits={fmt.bits}, group_size={fmt.group_size}, {kind}, scales={fmt.scale_dtype}"
+
+
+@register_op("quant_linear", REFERENCE)
+def quant_linear(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
+    """y = x dequantize(W)^T + b: exactly F.linear on the dequantized weight cast to x.dtype."""
+    weight = dequantize(layer.packed(), layer.format).to(x.dtype)
+    return torch.nn.functional.linear(x, weight, layer.bias)
+
+
+class QuantLinear(PackedModule):
+    """A linear layer with packed low-bit weights (see the module docstring for the layout)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: QuantFormat, name: str = "") -> None:
+        super().__init__(out_features, in_features, fmt, name or "QuantLinear", "in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.op_backend = REFERENCE
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return get_op("quant_linear", self.op_backend)(x, self)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self._format_repr()}"
+
+
+class QuantEmbedding(PackedModule):
+    """A token embedding table with packed low-bit rows (one per vocabulary entry; layout as QuantLinear's).
+
+    A lookup dequantizes only the rows asked for, exactly as ``dequantize`` does the whole table (fp32), then casts
+    them to ``compute_dtype``. nn.Embedding's output takes its weight's dtype; a packed table has no float weight to
+    carry the model's dtype, so ``compute_dtype`` does: it starts as the dtype of the table it replaces (float32 by
+    default) and follows ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` the way a float parameter would.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        fmt: QuantFormat,
+        name: str = "",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, fmt, name or "QuantEmbedding", "embedding_dim")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = None  # nn.Embedding's attribute, read by generic code; no row is special here
+        self.compute_dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Row gathers and elementwise unpacking only: no host tensor and no sync, so a CUDA graph can capture it.
+        rows = input_ids.reshape(-1)
+        packed = PackedWeight(**{name: value.index_select(0, rows) for name, value in self.packed().tensors().items()})
+        table = dequantize(packed, self.format).to(self.compute_dtype)
+        return table.reshape(*input_ids.shape, self.embedding_dim)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> QuantEmbedding:
+        super()._apply(fn, recurse)
+        # What ``fn`` makes of an empty float tensor is what it would have made of a float weight.
+        self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=self.qweight.device)).dtype
+        return self
+
+    def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bits={fmt.bits}, "
-            f"group_size={fmt.group_size}, {kind}, scales={fmt.scale_dtype}"
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, {self._format_repr()}, "
+            f"compute_dtype={self.compute_dtype}"
         )
 
 
 def packed_shape_errors(model: nn.Module) -> list[str]:
-    """Packed tensors whose shape or dtype differ from their QuantLinear's format (transformers 5.17 loads a
-    mis-shaped buffer silently instead of reporting it)."""
+    """Packed tensors whose shape or dtype differ from their module's format (transformers 5.17 loads a mis-shaped
+    buffer silently instead of reporting it)."""
     errors = []
     for module_name, module in model.named_modules():
-        if not isinstance(module, QuantLinear):
+        if not isinstance(module, PackedModule):
             continue
-        for name, (shape, dtype) in module.format.tensor_shapes(module.out_features, module.in_features).items():
+        for name, (shape, dtype) in module.format.tensor_shapes(*module.packed_dims).items():
             actual = getattr(module, name)
             if tuple(actual.shape) != shape or actual.dtype != dtype:
                 errors.append(

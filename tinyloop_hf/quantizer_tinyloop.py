@@ -3,8 +3,10 @@
 config.json carries ``{"quant_method": "tinyloop", "bits": 4, "group_size": 128, "symmetric": false,
 "scale_dtype": "float16", "components": {"lm_head": {"bits": 8, "group_size": null}}}``. Components are the
 places a linear can live: ``prelude``, ``loop`` (the loop block and its input injection), ``coda`` and
-``lm_head``. Each takes the top-level format unless ``components`` overrides it; bits 16 keeps it in high
-precision. The LM head stays high precision unless asked; norms, embeddings and the exit gate always do.
+``lm_head``, plus the token embedding table ``embed_tokens``. Each takes the top-level format unless
+``components`` overrides it; bits 16 keeps it in high precision. The LM head and the embedding stay high precision
+unless asked; norms and the exit gate always do. A quantized embedding of a tied model unties it: the head keeps its
+own copy of the table (high precision, or quantized as ``lm_head`` says).
 Loading registers nothing at run time beyond this module: ``import tinyloop_hf`` makes transformers build the
 packed modules before the weights are read.
 """
@@ -19,22 +21,24 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .quant_tinyloop import SUPPORTED_BITS, QuantFormat, QuantLinear
+from .quant_tinyloop import SUPPORTED_BITS, PackedModule, QuantEmbedding, QuantFormat, QuantLinear
 
 QUANT_METHOD = "tinyloop"
-COMPONENTS = ("prelude", "loop", "coda", "lm_head")
+COMPONENTS = ("prelude", "loop", "coda", "lm_head", "embed_tokens")
+HIGH_PRECISION_UNLESS_ASKED = ("lm_head", "embed_tokens")
 FULL_PRECISION = 16
 _COMPONENT_OF = (
     (re.compile(r"^model\.prelude_layers\."), "prelude"),
     (re.compile(r"^model\.(loop_layers\.|injection$)"), "loop"),
     (re.compile(r"^model\.coda_layers\."), "coda"),
     (re.compile(r"^lm_head$"), "lm_head"),
+    (re.compile(r"^model\.embed_tokens$"), "embed_tokens"),
 )
 _FORMAT_KEYS = ("bits", "group_size", "symmetric", "scale_dtype")
 
 
 def component_of(module_name: str) -> str | None:
-    """Which component a linear belongs to (None: never quantized, e.g. the exit gate)."""
+    """Which component a linear or the embedding belongs to (None: never quantized, e.g. the exit gate)."""
     for pattern, component in _COMPONENT_OF:
         if pattern.search(module_name):
             return component
@@ -66,6 +70,9 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"quantization_config.bits must be one of {[*SUPPORTED_BITS, FULL_PRECISION]}, got {self.bits!r}"
             )
+        # The top-level group size and scale dtype first, so that an error raised for a component below comes from
+        # its own override (and says so).
+        QuantFormat(SUPPORTED_BITS[-1], self.group_size, self.symmetric, self.scale_dtype)
         unknown = set(self.components) - set(COMPONENTS)
         if unknown:
             raise ValueError(f"quantization_config.components: unknown {sorted(unknown)}; allowed {list(COMPONENTS)}")
@@ -76,10 +83,13 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
                 raise ValueError(f"quantization_config.components.{component}: unknown fields {sorted(bad)}")
             if settings["bits"] not in (*SUPPORTED_BITS, FULL_PRECISION):
                 raise ValueError(
-                    f"quantization_config bits for {component} must be one of "
+                    f"quantization_config.components.{component}.bits must be one of "
                     f"{[*SUPPORTED_BITS, FULL_PRECISION]}, got {settings['bits']!r}"
                 )
-            self.format_for_component(component)  # validates group size and scale dtype
+            try:
+                self.format_for_component(component)  # validates group size and scale dtype
+            except ValueError as error:
+                raise ValueError(f"quantization_config.components.{component}: {error}") from None
         if self.method not in ("rtn", "gptq"):
             raise ValueError(f"quantization_config.method must be 'rtn' or 'gptq', got {self.method!r}")
 
@@ -90,7 +100,7 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
             "symmetric": self.symmetric,
             "scale_dtype": self.scale_dtype,
         }
-        if component == "lm_head":
+        if component in HIGH_PRECISION_UNLESS_ASKED:
             defaults["bits"] = FULL_PRECISION
         return {**defaults, **self.components.get(component, {})}
 
@@ -131,20 +141,49 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
         return ", ".join(parts)
 
 
-def swap_in_quant_linear(model: nn.Module, name: str, module: nn.Linear, fmt: QuantFormat) -> QuantLinear:
-    """Put an empty QuantLinear of ``fmt`` where the linear ``name`` was (in place) and return it."""
-    quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
+def swap_in_quantized(model: nn.Module, name: str, module: nn.Module, fmt: QuantFormat) -> PackedModule:
+    """Put an empty QuantLinear (for an nn.Linear) or QuantEmbedding (for an nn.Embedding) of ``fmt`` where
+    ``name`` was (in place) and return it. The embedding's output dtype is the replaced table's."""
+    if isinstance(module, nn.Embedding):
+        quantized = QuantEmbedding(module.num_embeddings, module.embedding_dim, fmt, name, module.weight.dtype)
+    else:
+        quantized = QuantLinear(module.in_features, module.out_features, module.bias is not None, fmt, name)
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, quantized)
     return quantized
 
 
-def replace_linears(model: nn.Module, config: TinyLoopQuantConfig) -> dict[str, QuantLinear]:
-    """Swap every quantizable linear for an empty QuantLinear of its component's format (in place)."""
+def quantization_targets(model: nn.Module, config: TinyLoopQuantConfig) -> dict[str, nn.Module]:
+    """The linears and the token embedding that ``config`` quantizes, by name."""
     return {
-        name: swap_in_quant_linear(model, name, module, config.format_for(name))
-        for name, module in list(model.named_modules())
-        if isinstance(module, nn.Linear) and config.format_for(name) is not None
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and config.format_for(name) is not None
+    }
+
+
+def check_targets(model: nn.Module, config: TinyLoopQuantConfig) -> None:
+    """Every target's row length fits its format (packing needs a multiple of 32); the error names the module."""
+    for name, module in quantization_targets(model, config).items():
+        if isinstance(module, nn.Embedding):
+            config.format_for(name).check_shape(module.embedding_dim, name, "embedding_dim")
+        else:
+            config.format_for(name).check_shape(module.in_features, name, "in_features")
+
+
+def tied_components(model: nn.Module, config: TinyLoopQuantConfig) -> list[str]:
+    """Quantized components that share a tensor with another one (tie_word_embeddings: lm_head and embed_tokens)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    return [component for component in ("embed_tokens", "lm_head") if config.format_for_component(component)]
+
+
+def replace_linears(model: nn.Module, config: TinyLoopQuantConfig) -> dict[str, PackedModule]:
+    """Swap every quantized linear, and the token embedding when quantized, for an empty QuantLinear /
+    QuantEmbedding of its component's format (in place)."""
+    return {
+        name: swap_in_quantized(model, name, module, config.format_for(name))
+        for name, module in quantization_targets(model, config).items()
     }
 
 
@@ -157,8 +196,14 @@ class TinyLoopHfQuantizer(HfQuantizer):
         return None
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
-        if getattr(model.config, "tie_word_embeddings", False) and self.quantization_config.format_for("lm_head"):
-            raise ValueError("a quantized lm_head needs tie_word_embeddings=False (the embedding stays in fp)")
+        # Loading ties lm_head.weight to model.embed_tokens.weight when the config says so; a quantized side has no
+        # such tensor, which is why quantize_model saves quantized checkpoints untied.
+        tied = tied_components(model, self.quantization_config)
+        if tied:
+            raise ValueError(
+                f"quantizing {' and '.join(tied)} needs tie_word_embeddings=False (each side keeps its own weights; "
+                f"tinyloop_hf.convert.quantize_model unties the model it quantizes)"
+            )
         replace_linears(model, self.quantization_config)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:

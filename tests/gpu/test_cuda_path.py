@@ -45,6 +45,11 @@ QUANTS = {
     "int4-g32": TinyLoopQuantConfig(bits=4, group_size=32),
     "int8": TinyLoopQuantConfig(bits=8, group_size=None),
     "int2-g32-head8": TinyLoopQuantConfig(bits=2, group_size=32, components={"lm_head": {"bits": 8}}),
+    "int4-g32-embed8-head8": TinyLoopQuantConfig(  # the benchmark's formats (eval/bench.py quant_config)
+        bits=4,
+        group_size=32,
+        components={"lm_head": {"bits": 8}, "embed_tokens": {"bits": 8, "group_size": None}},
+    ),
 }
 
 
@@ -77,10 +82,13 @@ def test_int8_kv_cache_stays_close():
     )
 
 
-@pytest.mark.parametrize("variant", ["ouro", "huginn", "llama"])
-def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant):
-    _, fast = _pair(variant, QUANTS["int4-g32"])
-    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+@pytest.mark.parametrize(
+    "variant, quant",
+    [("ouro", "int4-g32"), ("huginn", "int4-g32"), ("llama", "int4-g32"), ("ouro", "int4-g32-embed8-head8")],
+)
+def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant, quant):
+    _, fast = _pair(variant, QUANTS[quant])
+    eager = _model(variant, QUANTS[quant]).use_cuda_path(cuda_graphs=False)
     ids = IDS.cuda()
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import REFERENCE, VARIANTS, tiny_model
-from tinyloop_hf import QuantFormat, QuantLinear
+from tinyloop_hf import QuantEmbedding, QuantFormat, QuantLinear
 from tinyloop_hf.convert import build_model, read_source
 from tinyloop_hf.quant_tinyloop import dequantize, quantize_rtn
 
@@ -29,6 +29,30 @@ def test_quant_linear_is_dequantize_then_matmul_on_gpu(bits, dtype):
     expected = torch.nn.functional.linear(x, layer.dequantized_weight().to(dtype), layer.bias.to(dtype))
     assert torch.equal(layer.to(dtype)(x), expected)
     assert torch.equal(dequantize(packed, fmt).cuda(), layer.dequantized_weight())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_quant_embedding_lookup_replays_in_a_cuda_graph(bits):
+    """The lookup is captured once and replayed with new ids: no host sync or host tensor inside it."""
+    fmt = QuantFormat(bits=bits, group_size=64)
+    embedding = QuantEmbedding(300, 256, fmt)
+    embedding.load_packed(quantize_rtn(torch.randn(300, 256, generator=torch.Generator().manual_seed(bits)), fmt))
+    embedding = embedding.cuda().to(torch.bfloat16)
+    ids = torch.zeros(4, 5, dtype=torch.long, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture, as torch.cuda.graph asks
+        embedding(ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = embedding(ids)
+    table = dequantize(embedding.packed(), fmt)
+    for seed in range(3):
+        new = torch.randint(0, 300, (4, 5), generator=torch.Generator().manual_seed(seed)).cuda()
+        ids.copy_(new)
+        graph.replay()
+        assert torch.equal(out, table[new].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
