@@ -8,6 +8,7 @@ import torch
 
 from helpers import tiny_model
 from tinyloop_hf import TinyLoopCache, TinyLoopForCausalLM
+from tinyloop_hf.compat import GENERATE_CACHE_KEY
 from tinyloop_hf.paged_cache import PagedTinyLoopCache
 
 IDS = torch.randint(1, 256, (3, 9), generator=torch.Generator().manual_seed(21))
@@ -117,6 +118,24 @@ def test_warmup_schedule_decodes_the_first_tokens_shallower():
     assert torch.equal(
         model.generate(prompt, max_new_tokens=6, do_sample=False, warmup_tokens=0, warmup_loops=2), plain
     )
+
+
+def test_warmup_schedule_on_the_paged_cache_fills_the_deeper_slots():
+    """The CUDA path's paged cache: a shallow step's deeper loop slots take its last loop's K/V (copied page rows),
+    so the schedule's tokens and every slot's K/V equal the dynamic cache's."""
+    model = _model()
+    for ids, mask in ((IDS[:1], None), (IDS, MASK)):
+        paged = PagedTinyLoopCache(model.config, capacity=64)
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, warmup_tokens=3, warmup_loops=2)
+        got = model.generate(ids, **{GENERATE_CACHE_KEY: paged}, **kwargs)
+        dynamic = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(got, dynamic.sequences)
+        cache = dynamic.past_key_values if hasattr(dynamic, "past_key_values") else dynamic.cache
+        assert paged.length == cache.get_seq_length() and len(paged.slot_lengths) == len(cache.layers)
+        for slot, layer in enumerate(cache.layers):
+            keys, values = paged.gather(slot, paged.length, torch.float32)
+            torch.testing.assert_close(keys, layer.keys, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(values, layer.values, rtol=1e-5, atol=1e-6)
 
 
 def test_fields_survive_save_and_reload(tmp_path):

@@ -491,8 +491,11 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                 last_loop = torch.where(stop & running, torch.full_like(last_loop, loop), last_loop)
                 running = running & ~stop
                 previous = state
-        if cache is not None and subsets and (adaptive or cache.loops_cached() > total_loops):
-            cache.fill_skipped_loops(last_loop, first_loop, total_loops, context.past_length, loop_input.shape[1])
+        if cache is not None and (adaptive or cache.loops_cached() > total_loops):
+            if subsets:
+                cache.fill_skipped_loops(last_loop, first_loop, total_loops, context.past_length, loop_input.shape[1])
+            else:  # every row ran every loop of the step: the deeper slots take the last one's K/V
+                cache.fill_deeper_slots(total_loops - 1)
         return state, states, gates, last_loop + 1 if adaptive else None
 
     def _loop_pass(

@@ -264,6 +264,26 @@ class PagedTinyLoopCache(TinyLoopCache):
         self.length = keep
         self.slot_lengths = {slot: min(held, keep) for slot, held in self.slot_lengths.items()}
 
+    def fill_deeper_slots(self, source_loop: int) -> None:
+        """KV policy of a step that ran fewer loops than the cache holds (a loop schedule's shallow tokens): the
+        step's positions in every deeper loop slot take loop ``source_loop``'s K/V. Pages are copied on the device
+        through the step's position buffer, so a captured graph replays it (unless ``fill_deeper_loops`` is off: a
+        self-speculative draft leaves the deeper loops to its verifier)."""
+        depth = self.loops_cached()
+        if not self.fill_deeper_loops or depth <= source_loop + 1:
+            return
+        storage = self.storage
+        positions = self.step_positions.view(storage.batch, -1).long()  # [B, S] cache positions of the step
+        blocks = storage.block_table.gather(1, positions // PAGE_SIZE).long()
+        rows = positions % PAGE_SIZE
+        for layer in range(self.num_loop_layers):
+            source = storage.slot(self.slot_index("loop", layer, source_loop))
+            for loop in range(source_loop + 1, depth):
+                target = self.slot_index("loop", layer, loop)
+                self.mark_written(target)
+                for source_pages, target_pages in zip(source, storage.slot(target), strict=True):
+                    target_pages[blocks, :, rows] = source_pages[blocks, :, rows]
+
     def prepare_resume(self, new_tokens: int) -> None:
         """The paged form of TinyLoopCache.prepare_resume: one length serves every slot, so the cache steps back
         ``new_tokens``; the verifier's step then appends them to its deeper loop slots and the coda (which it

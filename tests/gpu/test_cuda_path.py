@@ -212,3 +212,15 @@ def test_self_speculation_on_the_cuda_path(variant, quant):
     # Drafting at full depth: drafts differ from the verifier only where its coda over k + 1 tokens breaks a tie.
     _assert_greedy_agrees(model.generate(ids, draft_loops=3, num_draft_tokens=4, **common), plain)
     assert model.speculation_stats.acceptance_rate >= 0.9
+
+
+@pytest.mark.parametrize("variant", ["ouro", "huginn"])
+def test_loop_schedules_on_the_cuda_path(variant):
+    """Warm-up tokens at a shallower depth (their deeper loop slots take the last computed loop's K/V, copied in
+    the captured graph) and per-row depths give the reference path's tokens."""
+    reference, fast = _pair(variant, QUANTS["int4-g32"], num_loops=3)
+    ids = IDS[:2].cuda()
+    for kwargs in (dict(warmup_tokens=4, warmup_loops=1), dict(num_loops=[1, 3])):
+        common = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, **kwargs)
+        assert torch.equal(fast.generate(ids, **common), reference.generate(ids, **common)), kwargs
+    assert any(key[0] == "decode" and key[2] == 1 for key in fast._cuda_path.graphs)  # the shallow steps' graph
