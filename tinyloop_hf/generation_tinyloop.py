@@ -122,9 +122,6 @@ class TinyLoopGenerationMixin(GenerationMixin):
             raise ValueError(f"warmup_loops must be an integer in [1, num_loops={full_loops}], got {loops!r}")
         if getattr(generation_config, "draft_loops", None) is not None:
             raise ValueError("warmup_tokens / warmup_loops cannot be combined with draft_loops")
-        if getattr(self, "_cuda_path", None) is not None:
-            raise ValueError("warmup_tokens / warmup_loops are not supported on the CUDA path yet (its paged cache "
-                             "needs every loop of every token); use the reference path")  # fmt: skip
         return {"tokens": tokens, "loops": loops, "prompt_length": None}
 
     def prepare_inputs_for_generation(
