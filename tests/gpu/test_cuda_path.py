@@ -224,3 +224,34 @@ def test_loop_schedules_on_the_cuda_path(variant):
         common = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, **kwargs)
         assert torch.equal(fast.generate(ids, **common), reference.generate(ids, **common)), kwargs
     assert any(key[0] == "decode" and key[2] == 1 for key in fast._cuda_path.graphs)  # the shallow steps' graph
+
+
+def test_constrained_decoding_on_the_cuda_path():
+    """Regex, JSON schema and choices with the masks on the GPU, through graph decode and self-speculation."""
+    import json
+    import re
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tinyloop_hf import embedded_model_path
+
+    path = embedded_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().use_cuda_path()
+    batch = tokenizer(["KING. My lord, the answer is", "HAMLET. I say"], return_tensors="pt", padding=True).to("cuda")
+    prompt = batch.input_ids.shape[1]
+    pattern = r" [a-z]+ (and|or) [a-z]+\."
+
+    def texts(out):
+        return [tokenizer.decode(row[prompt:], skip_special_tokens=True) for row in out]
+
+    common = dict(max_new_tokens=24, do_sample=False, tokenizer=tokenizer)
+    plain = model.generate(**batch, regex=pattern, **common)
+    speculative = model.generate(**batch, regex=pattern, draft_loops=2, num_draft_tokens=3, **common)
+    for out in (plain, speculative):
+        assert all(re.fullmatch(pattern, text) for text in texts(out)), texts(out)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    out = model.generate(**batch, json_schema=schema, **{**common, "max_new_tokens": 60})
+    assert all(json.loads(text)["answer"] in ("yes", "no") for text in texts(out)), texts(out)
+    choices = [" Hamlet", " Ophelia", " the King"]
+    assert all(text in choices for text in texts(model.generate(**batch, choices=choices, **common)))
