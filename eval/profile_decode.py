@@ -39,12 +39,17 @@ def generate_ms_per_token(model: TinyLoopForCausalLM, ids: torch.Tensor) -> floa
     return (best_of_two(72) - best_of_two(8)) / 64 * 1000
 
 
+def prefill_forward(model: TinyLoopForCausalLM, ids: torch.Tensor) -> None:
+    """One prompt forward on a fresh cache, as generate() runs it (last position's logits only)."""
+    model(ids, past_key_values=model.new_cache(2 * ids.shape[1]), use_cache=True, logits_to_keep=1)
+
+
 def ttft_breakdown(model: TinyLoopForCausalLM, ids: torch.Tensor) -> str:
     """generate(max_new_tokens=1) wall time against the prefill forward alone (wall and GPU time)."""
     kwargs = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None)
 
     def prefill() -> None:
-        model(ids, past_key_values=model.new_cache(2 * ids.shape[1]), use_cache=True, logits_to_keep=1)
+        prefill_forward(model, ids)
 
     generate = min(timed(lambda: model.generate(ids, **kwargs)) for _ in range(5)) * 1000
     forward = min(timed(prefill) for _ in range(5)) * 1000
@@ -107,11 +112,7 @@ def main() -> None:
         eager = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True))
         print(f"decode step: graph replay {replay:.2f} ms GPU ({wall:.2f} ms wall), eager {eager:.2f} ms")
         if args.prefill:  # rank the kernels of one eager prompt forward instead of a decode step
-
-            def prefill() -> None:
-                model(ids, past_key_values=model.new_cache(2 * args.context), use_cache=True, logits_to_keep=1)
-
-            print(f"prefill forward, eager: {gpu_ms(prefill, 3):.2f} ms GPU")
+            print(f"prefill forward, eager: {gpu_ms(lambda: prefill_forward(model, ids), 3):.2f} ms GPU")
             cache, step = model.new_cache(2 * args.context), ids
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
             model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)

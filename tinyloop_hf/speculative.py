@@ -152,22 +152,24 @@ def self_speculative_sample(
     while not done:
         k = max(0, min(k_now, generation_config.max_length - input_ids.shape[1] - 1, longest_verify - 1))
         past = cache.get_seq_length()  # P: every slot holds the same tokens between rounds
+        # RoPE positions of x, d_1, ..., d_k: the draft runs them one by one, the verifier all at once.
+        positions = _token_positions(mask, input_ids.shape[1], k + 1, input_ids.device).expand(batch, -1)
         drafts, draft_probs, loop_inputs, states = _draft(
-            model, input_ids, mask, cache, logits_processor, k, draft_loops, do_sample
+            model, input_ids, mask, positions, cache, logits_processor, k, draft_loops, do_sample
         )
-        verify_raw = _verify(model, cache, mask, input_ids.shape[1], past, k, loop_inputs, states, draft_loops,
-                             full_loops)  # fmt: skip
+        verify_raw = _verify(model, cache, mask, positions, past, k, loop_inputs, states, draft_loops, full_loops)
         # Processed target scores at each of the k + 1 positions, on the prefix that position sees.
         prefix = torch.cat([input_ids, drafts], dim=-1)
         verify_scores = torch.stack(
             [logits_processor(prefix[:, : input_ids.shape[1] + i], verify_raw[:, i]) for i in range(k + 1)], dim=1
         )
         row_accepts = _accepted_drafts(drafts, draft_probs, verify_scores, do_sample)
-        active = unfinished.bool()
-        accepted = int(row_accepts[active].min()) if bool(active.any()) else 0
+        accepts, running = torch.stack([row_accepts, unfinished]).tolist()  # one host sync per round
+        live = [count for count, on in zip(accepts, running, strict=True) if on]
+        accepted = min(live, default=0)
         stats.rounds += 1
-        stats.drafted += k * int(active.sum())
-        stats.accepted += int(row_accepts[active].sum())
+        stats.drafted += k * len(live)
+        stats.accepted += sum(live)
         stats.draft_lengths.append(k)
         final = _correction(accepted, draft_probs, verify_scores, do_sample)  # where the shortest acceptance ends
         emitted = 0
@@ -242,6 +244,7 @@ def _draft(
     model: Any,
     input_ids: torch.Tensor,
     mask: torch.Tensor | None,
+    positions: torch.Tensor,
     cache: TinyLoopCache,
     logits_processor: LogitsProcessorList,
     k: int,
@@ -249,10 +252,10 @@ def _draft(
     do_sample: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]:
     """k draft tokens [B, k] (and their processed probabilities [B, k, V] when sampling); the loop input and state
-    after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft)."""
+    after draft_loops loops of x, d_1, ..., d_k (the last forward computes d_k's, not a new draft). ``positions``
+    [B, k + 1]: the RoPE positions of x, d_1, ..., d_k."""
     batch = input_ids.shape[0]
     token, prefix = input_ids[:, -1:], input_ids
-    positions = _token_positions(mask, input_ids.shape[1], k + 1, input_ids.device).expand(batch, -1)
     path = _graph_path(model, cache)
     drafts: list[torch.Tensor] = []
     probs: list[torch.Tensor] = []
@@ -298,7 +301,7 @@ def _verify(
     model: Any,
     cache: TinyLoopCache,
     mask: torch.Tensor | None,
-    length: int,
+    positions: torch.Tensor,
     past: int,
     k: int,
     loop_inputs: list[torch.Tensor],
@@ -309,9 +312,7 @@ def _verify(
     """Raw target logits [B, k + 1, V] (fp32) of x, d_1, ..., d_k, resuming the draft at loop draft_loops."""
     cache.prepare_resume(k + 1)  # the draft's coda K/V of these tokens came from a shallower state
     batch = loop_inputs[0].shape[0]
-    positions = _token_positions(mask, length, k + 1, loop_inputs[0].device)
-    inputs = {"loop_input": torch.cat(loop_inputs, dim=1), "state": torch.cat(states, dim=1),
-              "positions": positions.expand(batch, -1)}  # fmt: skip
+    inputs = {"loop_input": torch.cat(loop_inputs, dim=1), "state": torch.cat(states, dim=1), "positions": positions}
     path = _graph_path(model, cache)
     if mask is not None and path is None:
         inputs["mask"] = torch.cat([mask, mask.new_ones(batch, k)], dim=-1)  # x is the last column of the mask
