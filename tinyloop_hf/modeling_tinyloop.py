@@ -471,10 +471,11 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         gates: list[torch.Tensor] = []
         previous = state
         for loop in range(first_loop, total_loops):
-            if not adaptive or bool(running.all()):
+            alive = int(running.sum()) if adaptive else batch  # one host sync per loop where rows may stop
+            if alive == batch:
                 x = self._loop_pass(state, loop_input, context, loop)
                 state = x if loops_per_row is None else torch.where((loop < loops_per_row)[:, None, None], x, state)
-            elif bool(running.any()):
+            elif alive:
                 rows = running.nonzero().squeeze(1)
                 x = self._loop_pass(state[rows], loop_input[rows], context.select(rows), loop)
                 state = state.index_copy(0, rows, x)
