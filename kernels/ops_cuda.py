@@ -90,10 +90,35 @@ class _GemvPlan:
     mma_launches: dict[int, tuple[str, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (kernel name, CTAs)
 
 
+_GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
+_PACKED_TENSORS = _GEMV_TENSORS[:4]  # what dequantize reads
+
+
 def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
     """The tensors a GEMV launch reads from one layer, in kernel argument order."""
-    names = ("qweight", "qweight_high", "scales", "zeros", "bias")
-    return tuple(getattr(layer, name, None) for name in names)
+    return tuple(getattr(layer, name, None) for name in _GEMV_TENSORS)
+
+
+def _matrix_arguments(layers: list[QuantLinear], tensor_names: tuple[str, ...]) -> list:
+    """The per-matrix arguments of a fused launch (up to three matrices; missing ones null): the pointers of
+    ``tensor_names`` and the matrix's rows."""
+    arguments: list = []
+    for index in range(3):
+        layer = layers[index] if index < len(layers) else None
+        arguments += [ptr(None if layer is None else getattr(layer, name, None)) for name in tensor_names]
+        arguments.append(i32(0 if layer is None else layer.out_features))
+    return arguments
+
+
+def _format_arguments(layer: QuantLinear) -> tuple:
+    """K and the packed format as the low-bit kernels take them: K, group shift, groups, bf16 scales, midpoint."""
+    fmt, K = layer.format, layer.in_features
+    return (i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)),
+            i32(fmt.midpoint))  # fmt: skip
+
+
+def _columns_per_word(fmt: Any) -> int:
+    return 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
 
 
 def gemv_k_split(chunks: int, row_groups: int) -> int:
@@ -120,17 +145,11 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     sizes = [layer.out_features for layer in layers]
     out_features = sizes[0] if swiglu else sum(sizes)
     row_sizes = sizes[:1] if swiglu else sizes  # the rows CTAs are assigned to (SwiGLU: gate and up share them)
-    matrices: list = []
-    for index in range(3):
-        if index < len(layers):
-            matrices += [*map(ptr, tensors[index]), i32(layers[index].out_features)]
-        else:
-            matrices += [ptr(None)] * 5 + [i32(0)]
-    tail = (i32(out_features), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
-            i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
+    matrices = _matrix_arguments(layers, _GEMV_TENSORS)
+    tail = (i32(out_features), *_format_arguments(owner))
     flag = "true" if swiglu else "false"
     launches = {}
-    columns_per_word = 32 // (2 if fmt.bits == 3 else fmt.bits)  # INT3's low plane is INT2's layout
+    columns_per_word = _columns_per_word(fmt)
     words = K // columns_per_word
     for rows in (1, 4, 8):
         # One token row: 2 weight rows per warp (64 registers: 8 CTAs per SM). Several token rows: 4 weight rows per
@@ -218,17 +237,8 @@ def dequantize_weights(layers: list[QuantLinear], dtype: torch.dtype) -> torch.T
     out = _DEQUANT_BUFFERS.get(key)
     if out is None:
         out = _DEQUANT_BUFFERS[key] = torch.empty(sum(rows), K, dtype=dtype, device=device)
-    matrices: list = []
-    for index in range(3):
-        if index < len(layers):
-            layer = layers[index]
-            matrices += [ptr(layer.qweight), ptr(getattr(layer, "qweight_high", None)), ptr(layer.scales),
-                         ptr(getattr(layer, "zeros", None)), i32(layer.out_features)]  # fmt: skip
-        else:
-            matrices += [ptr(None)] * 4 + [i32(0)]
-    words = K // (32 // (2 if fmt.bits == 3 else fmt.bits))
-    args = (*matrices, ptr(out), i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)),
-            i32(int(owner.scales.dtype == torch.bfloat16)), i32(fmt.midpoint))  # fmt: skip
+    args = (*_matrix_arguments(layers, _PACKED_TENSORS), ptr(out), *_format_arguments(owner))
+    words = K // _columns_per_word(fmt)
     name = f"dequantize_weights<{fmt.bits}, {cuda_type(dtype)}>"
     launch(kernel("dequantize.cu", name), (min(4096, math.ceil(max(rows) * words / 256)), len(layers)), (256,), args)
     return out
@@ -484,7 +494,7 @@ def _attend(
         )
 
     # Decode, and short continuations of a cached sequence (e.g. a speculative verify): paged attention in place.
-    continuation = cache is not None and cache.length > 0 and heads // kv_heads * steps <= PAGED_MAX_VECTORS
+    continuation = cache is not None and cache.length > 0 and steps <= cache.max_continuation_tokens(config)
     if cache is not None and (steps == 1 or (continuation and dim in PAGED_DIMS)):
         out = paged_decode(query, cache, pages, module.scaling, new_tokens=steps)
     else:
@@ -518,7 +528,6 @@ def decode_partition(batch: int, kv_heads: int, group: int, dim: int, capacity: 
 
 
 PAGED_DIMS = (16, 32, 64, 128, 256)
-PAGED_MAX_VECTORS = MAX_CONTINUATION_VECTORS  # query vectors (heads of a KV group x new tokens) per CTA
 
 
 def paged_decode(
@@ -531,9 +540,9 @@ def paged_decode(
     batch = rows // new_tokens
     kv_heads = storage.kv_heads
     vectors = heads // kv_heads * new_tokens
-    if vectors > PAGED_MAX_VECTORS or dim not in PAGED_DIMS:
+    if vectors > MAX_CONTINUATION_VECTORS or dim not in PAGED_DIMS:
         raise CudaPathUnavailable(
-            f"paged attention serves up to {PAGED_MAX_VECTORS} query vectors (query heads per KV head x new "
+            f"paged attention serves up to {MAX_CONTINUATION_VECTORS} query vectors (query heads per KV head x new "
             f"tokens) and head_dim in {PAGED_DIMS}, got {vectors} and {dim}"
         )
     splits, chunk = decode_partition(batch, kv_heads, vectors, dim, storage.capacity)
