@@ -50,7 +50,7 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
 // The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
-template <int BITS, typename T, int MAXM, int R, int KSPLIT>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                          int group_shift, int groups, int scale_is_bf16, int midpoint,
                                          const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
@@ -76,33 +76,34 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
     pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
-    for (int c = lane; c < total; c += STRIDE) {
-        const Chunk<BITS, R> cur = next;
-        if (c + STRIDE < total) load(c + STRIDE, next);
-        const bool full = c < chunks;
-        const int first_word = first_word_of(c);
-        const int group0 = (first_word * cpw) >> group_shift;
-        float scale[R][NG];
-        unsigned magic_minus[R][NG];
+    // Rows past N were loaded clamped (load_chunk): every row is accumulated without a test, the caller drops them.
+    {
+        for (int c = lane; c < total; c += STRIDE) {
+            const Chunk<BITS, R> cur = next;
+            if (c + STRIDE < total) load(c + STRIDE, next);
+            const bool full = ALL_FULL || c < chunks;
+            const int first_word = first_word_of(c);
+            const int group0 = (first_word * cpw) >> group_shift;
+            float scale[R][NG];
+            unsigned magic_minus[R][NG];
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int k = 0; k < NG; ++k) {
-                scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
-                magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
-            }
+                for (int k = 0; k < NG; ++k) {
+                    scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
+                    magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
+                }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (i == 0 || full) {
-                const int word_index = first_word + i;
-                const int col0 = word_index * cpw;
-                // A select, not a run-time array index (which would put the arrays in local memory).
-                const bool second = NG == 2 && (col0 >> group_shift) != group0;
-                uint4 xv[MAXM][XWords<BITS>::count];
-                load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
+            for (int i = 0; i < 4; ++i) {
+                if (i == 0 || full) {
+                    const int word_index = first_word + i;
+                    const int col0 = word_index * cpw;
+                    // A select, not a run-time array index (which would put the arrays in local memory).
+                    const bool second = NG == 2 && (col0 >> group_shift) != group0;
+                    uint4 xv[MAXM][XWords<BITS>::count];
+                    load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (row0 + r * row_step < N) {
+                    for (int r = 0; r < R; ++r) {
                         unsigned high = 0u;
                         if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
                         const int k = NG - 1;  // the second group's index where there is one
@@ -118,6 +119,21 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = warp_sum(acc[r][m]);
+}
+
+// ALL_FULL (every row a whole number of 16-byte chunks, the usual case) compiles the loop without the per-word
+// tail test.
+template <int BITS, typename T, int MAXM, int R, int KSPLIT>
+__device__ __forceinline__ void row_dots_any(const QuantMatrix& mat, int row0, int row_step, int N, int K,
+                                             int group_shift, int groups, int scale_is_bf16, int midpoint,
+                                             const T* __restrict__ x, int ldx, int M, int part,
+                                             float (&acc)[R][MAXM]) {
+    if ((K / Layout<BITS>::cols_per_word) % 4 == 0)
+        row_dots<BITS, T, MAXM, R, KSPLIT, true>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                 midpoint, x, ldx, M, part, acc);
+    else
+        row_dots<BITS, T, MAXM, R, KSPLIT, false>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                  midpoint, x, ldx, M, part, acc);
 }
 
 // One-row INT4/INT8 launches with R = 2 are held to 64 registers (8 CTAs of 128 threads per SM, no spills, checked
@@ -183,11 +199,11 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     }
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
+    row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
                                        M, part, acc[0]);
     if constexpr (SWIGLU) {
         const QuantMatrix up{qw1, qh1, sc1, zr1};
-        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
+        row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
                                            ldx, M, part, acc[1]);
     }
     if constexpr (KSPLIT > 1) {

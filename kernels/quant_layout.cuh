@@ -34,9 +34,14 @@ __device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, uns
                                                               unsigned magic_minus) {
     constexpr int lb = Layout<BITS>::low_bits;
     constexpr unsigned mask = ((1u << lb) - 1) | (((1u << lb) - 1) << 16);
-    unsigned fields = (word >> (lb * i)) & mask;
-    if constexpr (BITS == 3) fields |= ((high >> i) & 0x00010001u) << 2;
-    return centered_pair<T>(fields, magic_minus);
+    if constexpr (BITS == 3) {
+        const unsigned fields = ((word >> (lb * i)) & mask) | (((high >> i) & 0x00010001u) << 2);
+        return centered_pair<T>(fields, magic_minus);
+    } else {
+        const unsigned magic = Magic<T>::bits | (Magic<T>::bits << 16);
+        const unsigned biased = and_or(word >> (lb * i), mask, magic);  // MAGIC + q in both halves
+        return __hsub2(bits_as_vec2<T>(biased), bits_as_vec2<T>(magic_minus));
+    }
 }
 
 // The scale bits and zero of group `group` of a row (gi: the row's first group index); symmetric: the midpoint.
