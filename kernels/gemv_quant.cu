@@ -26,8 +26,9 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
                                            int group1, Chunk<BITS, R>& ch) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r * row_step, N - 1);
-        const unsigned* base = mat.qweight + static_cast<long long>(row) * words + first_word;
+        // 32-bit offsets (the host checks every packed tensor has < 2^31 elements): one IMAD.WIDE per address.
+        const unsigned row = min(row0 + r * row_step, N - 1);
+        const unsigned* base = mat.qweight + (row * static_cast<unsigned>(words) + first_word);
         if (full) {
             const uint4 v = load_stream(reinterpret_cast<const uint4*>(base));
             ch.w[r][0] = v.x; ch.w[r][1] = v.y; ch.w[r][2] = v.z; ch.w[r][3] = v.w;
@@ -39,10 +40,10 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
             ch.high[r][0] = __ldg(high);
             ch.high[r][1] = full ? __ldg(high + 1) : 0u;
         }
-        const long long gi = static_cast<long long>(row) * groups;
-        load_group(mat, gi, group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
+        const unsigned gi = row * static_cast<unsigned>(groups);
+        load_group(mat, gi + group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
         if constexpr (ChunkGroups<BITS>::count == 2)
-            load_group(mat, gi, group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
+            load_group(mat, gi + group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
     }
 }
 
@@ -65,9 +66,9 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.0f;
-    auto first_word_of = [&](int c) { return c < chunks ? 4 * c : 4 * chunks + (c - chunks); };
+    auto first_word_of = [&](int c) { return ALL_FULL || c < chunks ? 4 * c : 4 * chunks + (c - chunks); };
     auto load = [&](int c, Chunk<BITS, R>& ch) {
-        const bool full = c < chunks;
+        const bool full = ALL_FULL || c < chunks;
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
         const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;

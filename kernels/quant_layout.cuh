@@ -44,11 +44,11 @@ __device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, uns
     }
 }
 
-// The scale bits and zero of group `group` of a row (gi: the row's first group index); symmetric: the midpoint.
-__device__ __forceinline__ void load_group(const QuantMatrix& mat, long long gi, int group, int midpoint,
+// The scale bits and zero at index `index` (row * groups + group); symmetric: the midpoint.
+__device__ __forceinline__ void load_group(const QuantMatrix& mat, unsigned index, int midpoint,
                                            unsigned short& scale_bits, int& zero) {
-    scale_bits = __ldg(mat.scales + gi + group);
-    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group)) : midpoint;
+    scale_bits = __ldg(mat.scales + index);
+    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + index)) : midpoint;
 }
 
 // INT3: the high-plane bits of word `word_index` of `row` (a high word covers two low words).
