@@ -180,17 +180,15 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const QuantMatrix mat = slot.mat;
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
+    extern __shared__ __align__(16) unsigned char staged_bytes[];
+    T* staged = reinterpret_cast<T*>(staged_bytes);
     if (jx != nullptr) {
         pdl_wait();  // the junction reads the previous kernels' outputs
-        extern __shared__ __align__(16) unsigned char staged_bytes[];
-        T* staged = reinterpret_cast<T*>(staged_bytes);
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
                          jw_next, blockIdx.x == 0 ? jsum + static_cast<long long>(m) * K : nullptr, staged + m * K,
                          K, eps, mode);
         __syncthreads();
-        x = staged;
-        ldx = K;
     }
     int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
     if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
@@ -200,13 +198,21 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     }
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
-                                       M, part, acc[0]);
-    if constexpr (SWIGLU) {
-        const QuantMatrix up{qw1, qh1, sc1, zr1};
-        row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
-                                           ldx, M, part, acc[1]);
-    }
+    auto dots = [&](const T* __restrict__ in, int ld) {
+        row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                               midpoint, in, ld, M, part, acc[0]);
+        if constexpr (SWIGLU) {
+            const QuantMatrix up{qw1, qh1, sc1, zr1};
+            row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                   midpoint, in, ld, M, part, acc[1]);
+        }
+    };
+    // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
+    // with its own load instruction instead of a generic one.
+    if (jx != nullptr)
+        dots(staged, K);
+    else
+        dots(x, ldx);
     if constexpr (KSPLIT > 1) {
         __shared__ float partial[4][MATS][R][MAXM];
         if (lane == 0)
