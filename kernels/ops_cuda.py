@@ -132,12 +132,13 @@ def _columns_per_word(fmt: Any) -> int:
 
 def gemv_k_split(chunks: int, row_groups: int) -> int:
     """Warps sharing one row group of the CUDA-core GEMV (K split between them), for ``row_groups`` groups of
-    weight rows of ``chunks`` 16-byte chunks. Measured on the H200 (eval/gemv_sweep.py): layers with few rows
-    (o_proj, down_proj: 512 row groups) gain from splitting, 2 ways for 2048-column rows and 4 for longer ones;
-    layers with many rows (QKV, gate/up, 16384²) lose."""
-    if row_groups >= 2048 or chunks < 64:
+    weight rows of ``chunks`` 16-byte chunks. Measured on the H200 (eval/gemv_sweep.py, INT4, one token row):
+    layers with many rows (QKV 3072 row groups, gate/up, 8192-16384 rows) lose from splitting; o_proj (1024 groups of
+    64 chunks) gains from 2 ways, down_proj (1024 groups of 176 chunks) from 4, and 4096 x 16384 (2048 groups of 512
+    chunks) from 2 (14.2 us vs 17.3 unsplit and 15.3 with 4)."""
+    if row_groups > 2048 or chunks < 64:
         return 1
-    return 4 if chunks >= 128 else 2
+    return 4 if chunks >= 128 and row_groups <= 1024 else 2
 
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
