@@ -5,6 +5,9 @@
 
 #define TL_INF __int_as_float(0x7f800000)
 
+// A compile-time bool as a value (NVRTC has no <type_traits>): lets a generic lambda be instantiated per case.
+template <bool B> struct Bool { static constexpr bool value = B; };
+
 // Activation types: fp16 or bf16, chosen per kernel instantiation.
 template <typename T> struct Vec2;
 template <> struct Vec2<__half> { using type = __half2; };
@@ -38,6 +41,18 @@ template <typename T>
 __device__ __forceinline__ typename Vec2<T>::type centered_pair(unsigned fields, unsigned magic_minus) {
     const unsigned magic = Magic<T>::bits | (Magic<T>::bits << 16);
     return __hsub2(bits_as_vec2<T>(fields | magic), bits_as_vec2<T>(magic_minus));
+}
+
+// (bits & mask) | magic in one LOP3: with two immediates the compiler emits an AND and an OR.
+__device__ __forceinline__ unsigned and_or(unsigned bits, unsigned mask, unsigned magic) {
+    unsigned out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(out) : "r"(bits), "r"(mask), "r"(magic));
+    return out;
+}
+
+// A bf16x2's halves as floats: two integer ops (the intrinsic's conversion takes three).
+__device__ __forceinline__ float2 bf16x2_bits_to_float2(unsigned bits) {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
 }
 
 // Scales are stored as fp16 or bf16 bit patterns regardless of the activation dtype.

@@ -22,7 +22,8 @@ __device__ __forceinline__ void dequantize_word(const QuantMatrix& mat, unsigned
     constexpr int cpw = Layout<BITS>::cols_per_word;
     unsigned short scale_bits;
     int z;
-    load_group(mat, static_cast<long long>(row) * groups, (word_index * cpw) >> group_shift, midpoint, scale_bits, z);
+    const unsigned group_index = static_cast<unsigned>(row) * groups + ((word_index * cpw) >> group_shift);
+    load_group(mat, group_index, midpoint, scale_bits, z);
     const float s = scale_to_float(scale_bits, scale_is_bf16);
     unsigned packed[cpw / 2];  // column pairs (2j, 2j + 1)
     if constexpr (BITS == 8) {  // bytes (k0, k2, k1, k3)

@@ -77,8 +77,8 @@ __device__ __forceinline__ void load_row_chunk(const QuantMatrix& mat, int row, 
     const int word = valid ? first_word : step_word;
     const long long gi = static_cast<long long>(row) * groups;
     const int group0 = (word * cpw) >> group_shift, group1 = ((word + 3) * cpw) >> group_shift;
-    load_group(mat, gi, group0, midpoint, rc.scale_bits[0], rc.zero[0]);
-    load_group(mat, gi, group1, midpoint, rc.scale_bits[1], rc.zero[1]);
+    load_group(mat, static_cast<unsigned>(gi + group0), midpoint, rc.scale_bits[0], rc.zero[0]);
+    load_group(mat, static_cast<unsigned>(gi + group1), midpoint, rc.scale_bits[1], rc.zero[1]);
 }
 
 // A row's fragment pairs of one step, ready for the mma: (q - z), times the scale unless POST_SCALE (one group per

@@ -14,7 +14,7 @@ __device__ __forceinline__ void load_x(const T* __restrict__ x, int ldx, int col
                                        uint4 (&xv)[MAXM][XWords<BITS>::count]) {
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) {
-        if (m < M) {
+        if (MAXM == 1 || m < M) {  // a MAXM = 1 launch always has its one row
             if constexpr (BITS == 8) {
                 const uint2 raw = *reinterpret_cast<const uint2*>(x + m * ldx + col0);
                 xv[m][0] = make_uint4(raw.x, raw.y, 0u, 0u);
@@ -43,7 +43,7 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, fl
         w[3] = __int_as_float(0x4B000000 | (word >> 24)) - offset;
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
-            if (m < M) {
+            if (MAXM == 1 || m < M) {
                 const float2 a = to_float2(bits_as_vec2<T>(xv[m][0].x)), b = to_float2(bits_as_vec2<T>(xv[m][0].y));
                 acc[m] += scale * (w[0] * a.x + w[1] * a.y + w[2] * b.x + w[3] * b.y);
             }
@@ -55,7 +55,7 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, fl
         for (int i = 0; i < pairs; ++i) w[i] = weight_pair<BITS, T>(word, high, i, magic_minus);
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) {
-            if (m < M) {
+            if (MAXM == 1 || m < M) {
                 float sum = 0.0f;
 #pragma unroll
                 for (int v = 0; v < pairs / 4; ++v) {
@@ -65,8 +65,8 @@ __device__ __forceinline__ void accumulate_word(unsigned word, unsigned high, fl
                         T2 part = __hmul2(w[4 * v], bits_as_vec2<T>(xs[0]));
 #pragma unroll
                         for (int j = 1; j < 4; ++j) part = __hfma2(w[4 * v + j], bits_as_vec2<T>(xs[j]), part);
-                        const float2 f = to_float2(part);
-                        sum += f.x + f.y;
+                        const float2 f = bf16x2_bits_to_float2(*reinterpret_cast<const unsigned*>(&part));
+                        sum = v == 0 ? f.x + f.y : sum + (f.x + f.y);  // not 0 + ...: the compiler keeps that add
                     } else {
                         // fp16: products to fp32 at once (an fp16 running sum could overflow).
 #pragma unroll

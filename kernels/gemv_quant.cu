@@ -26,8 +26,9 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
                                            int group1, Chunk<BITS, R>& ch) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int row = min(row0 + r * row_step, N - 1);
-        const unsigned* base = mat.qweight + static_cast<long long>(row) * words + first_word;
+        // 32-bit offsets (the host checks every packed tensor has < 2^31 elements): one IMAD.WIDE per address.
+        const unsigned row = min(row0 + r * row_step, N - 1);
+        const unsigned* base = mat.qweight + (row * static_cast<unsigned>(words) + first_word);
         if (full) {
             const uint4 v = load_stream(reinterpret_cast<const uint4*>(base));
             ch.w[r][0] = v.x; ch.w[r][1] = v.y; ch.w[r][2] = v.z; ch.w[r][3] = v.w;
@@ -39,10 +40,10 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
             ch.high[r][0] = __ldg(high);
             ch.high[r][1] = full ? __ldg(high + 1) : 0u;
         }
-        const long long gi = static_cast<long long>(row) * groups;
-        load_group(mat, gi, group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
+        const unsigned gi = row * static_cast<unsigned>(groups);
+        load_group(mat, gi + group0, midpoint, ch.scale_bits[r][0], ch.zero[r][0]);
         if constexpr (ChunkGroups<BITS>::count == 2)
-            load_group(mat, gi, group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
+            load_group(mat, gi + group1, midpoint, ch.scale_bits[r][1], ch.zero[r][1]);
     }
 }
 
@@ -50,7 +51,7 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
 // The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
-template <int BITS, typename T, int MAXM, int R, int KSPLIT>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                          int group_shift, int groups, int scale_is_bf16, int midpoint,
                                          const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
@@ -65,9 +66,9 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.0f;
-    auto first_word_of = [&](int c) { return c < chunks ? 4 * c : 4 * chunks + (c - chunks); };
+    auto first_word_of = [&](int c) { return ALL_FULL || c < chunks ? 4 * c : 4 * chunks + (c - chunks); };
     auto load = [&](int c, Chunk<BITS, R>& ch) {
-        const bool full = c < chunks;
+        const bool full = ALL_FULL || c < chunks;
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
         const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;
@@ -76,33 +77,34 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     Chunk<BITS, R> next;
     if (lane < total) load(lane, next);
     pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
-    for (int c = lane; c < total; c += STRIDE) {
-        const Chunk<BITS, R> cur = next;
-        if (c + STRIDE < total) load(c + STRIDE, next);
-        const bool full = c < chunks;
-        const int first_word = first_word_of(c);
-        const int group0 = (first_word * cpw) >> group_shift;
-        float scale[R][NG];
-        unsigned magic_minus[R][NG];
+    // Rows past N were loaded clamped (load_chunk): every row is accumulated without a test, the caller drops them.
+    {
+        for (int c = lane; c < total; c += STRIDE) {
+            const Chunk<BITS, R> cur = next;
+            if (c + STRIDE < total) load(c + STRIDE, next);
+            const bool full = ALL_FULL || c < chunks;
+            const int first_word = first_word_of(c);
+            const int group0 = (first_word * cpw) >> group_shift;
+            float scale[R][NG];
+            unsigned magic_minus[R][NG];
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+            for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int k = 0; k < NG; ++k) {
-                scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
-                magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
-            }
+                for (int k = 0; k < NG; ++k) {
+                    scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
+                    magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
+                }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (i == 0 || full) {
-                const int word_index = first_word + i;
-                const int col0 = word_index * cpw;
-                // A select, not a run-time array index (which would put the arrays in local memory).
-                const bool second = NG == 2 && (col0 >> group_shift) != group0;
-                uint4 xv[MAXM][XWords<BITS>::count];
-                load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
+            for (int i = 0; i < 4; ++i) {
+                if (i == 0 || full) {
+                    const int word_index = first_word + i;
+                    const int col0 = word_index * cpw;
+                    // A select, not a run-time array index (which would put the arrays in local memory).
+                    const bool second = NG == 2 && (col0 >> group_shift) != group0;
+                    uint4 xv[MAXM][XWords<BITS>::count];
+                    load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    if (row0 + r * row_step < N) {
+                    for (int r = 0; r < R; ++r) {
                         unsigned high = 0u;
                         if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
                         const int k = NG - 1;  // the second group's index where there is one
@@ -118,6 +120,21 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < MAXM; ++m) acc[r][m] = warp_sum(acc[r][m]);
+}
+
+// ALL_FULL (every row a whole number of 16-byte chunks, the usual case) compiles the loop without the per-word
+// tail test.
+template <int BITS, typename T, int MAXM, int R, int KSPLIT>
+__device__ __forceinline__ void row_dots_any(const QuantMatrix& mat, int row0, int row_step, int N, int K,
+                                             int group_shift, int groups, int scale_is_bf16, int midpoint,
+                                             const T* __restrict__ x, int ldx, int M, int part,
+                                             float (&acc)[R][MAXM]) {
+    if ((K / Layout<BITS>::cols_per_word) % 4 == 0)
+        row_dots<BITS, T, MAXM, R, KSPLIT, true>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                 midpoint, x, ldx, M, part, acc);
+    else
+        row_dots<BITS, T, MAXM, R, KSPLIT, false>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                  midpoint, x, ldx, M, part, acc);
 }
 
 // One-row INT4/INT8 launches with R = 2 are held to 64 registers (8 CTAs of 128 threads per SM, no spills, checked
@@ -163,17 +180,15 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const QuantMatrix mat = slot.mat;
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
+    extern __shared__ __align__(16) unsigned char staged_bytes[];
+    T* staged = reinterpret_cast<T*>(staged_bytes);
     if (jx != nullptr) {
         pdl_wait();  // the junction reads the previous kernels' outputs
-        extern __shared__ __align__(16) unsigned char staged_bytes[];
-        T* staged = reinterpret_cast<T*>(staged_bytes);
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
                          jw_next, blockIdx.x == 0 ? jsum + static_cast<long long>(m) * K : nullptr, staged + m * K,
                          K, eps, mode);
         __syncthreads();
-        x = staged;
-        ldx = K;
     }
     int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
     if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
@@ -183,13 +198,21 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     }
     if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    row_dots<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x, ldx,
-                                       M, part, acc[0]);
-    if constexpr (SWIGLU) {
-        const QuantMatrix up{qw1, qh1, sc1, zr1};
-        row_dots<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16, midpoint, x,
-                                           ldx, M, part, acc[1]);
-    }
+    auto dots = [&](const T* __restrict__ in, int ld) {
+        row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                               midpoint, in, ld, M, part, acc[0]);
+        if constexpr (SWIGLU) {
+            const QuantMatrix up{qw1, qh1, sc1, zr1};
+            row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                   midpoint, in, ld, M, part, acc[1]);
+        }
+    };
+    // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
+    // with its own load instruction instead of a generic one.
+    if (jx != nullptr)
+        dots(staged, K);
+    else
+        dots(x, ldx);
     if constexpr (KSPLIT > 1) {
         __shared__ float partial[4][MATS][R][MAXM];
         if (lane == 0)

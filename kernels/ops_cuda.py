@@ -103,6 +103,15 @@ def _matrix_arguments(layers: list[QuantLinear], tensor_names: tuple[str, ...]) 
     """The per-matrix arguments of a fused launch (up to three matrices; missing ones null): the pointers of
     ``tensor_names`` and the matrix's rows."""
     arguments: list = []
+    for layer in layers:
+        # The kernels index packed weights, scales and zeros with 32-bit offsets.
+        if any(
+            getattr(layer, name, None) is not None and getattr(layer, name).numel() >= 2**31 for name in tensor_names
+        ):
+            raise CudaPathUnavailable(
+                f"the low-bit kernels index packed tensors with 32-bit offsets; a {layer.out_features}x"
+                f"{layer.in_features} layer has 2^31 or more packed elements"
+            )
     for index in range(3):
         layer = layers[index] if index < len(layers) else None
         arguments += [ptr(None if layer is None else getattr(layer, name, None)) for name in tensor_names]
@@ -123,12 +132,13 @@ def _columns_per_word(fmt: Any) -> int:
 
 def gemv_k_split(chunks: int, row_groups: int) -> int:
     """Warps sharing one row group of the CUDA-core GEMV (K split between them), for ``row_groups`` groups of
-    weight rows of ``chunks`` 16-byte chunks. Measured on the H200 (eval/gemv_sweep.py): layers with few rows
-    (o_proj, down_proj: 512 row groups) gain from splitting, 2 ways for 2048-column rows and 4 for longer ones;
-    layers with many rows (QKV, gate/up, 16384²) lose."""
-    if row_groups >= 2048 or chunks < 64:
+    weight rows of ``chunks`` 16-byte chunks. Measured on the H200 (eval/gemv_sweep.py, INT4, one token row):
+    layers with many rows (QKV 3072 row groups, gate/up, 8192-16384 rows) lose from splitting; o_proj (1024 groups of
+    64 chunks) gains from 2 ways, down_proj (1024 groups of 176 chunks) from 4, and 4096 x 16384 (2048 groups of 512
+    chunks) from 2 (14.2 us vs 17.3 unsplit and 15.3 with 4)."""
+    if row_groups > 2048 or chunks < 64:
         return 1
-    return 4 if chunks >= 128 else 2
+    return 4 if chunks >= 128 and row_groups <= 1024 else 2
 
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:

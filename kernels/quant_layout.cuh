@@ -34,16 +34,21 @@ __device__ __forceinline__ typename Vec2<T>::type weight_pair(unsigned word, uns
                                                               unsigned magic_minus) {
     constexpr int lb = Layout<BITS>::low_bits;
     constexpr unsigned mask = ((1u << lb) - 1) | (((1u << lb) - 1) << 16);
-    unsigned fields = (word >> (lb * i)) & mask;
-    if constexpr (BITS == 3) fields |= ((high >> i) & 0x00010001u) << 2;
-    return centered_pair<T>(fields, magic_minus);
+    if constexpr (BITS == 3) {
+        const unsigned fields = ((word >> (lb * i)) & mask) | (((high >> i) & 0x00010001u) << 2);
+        return centered_pair<T>(fields, magic_minus);
+    } else {
+        const unsigned magic = Magic<T>::bits | (Magic<T>::bits << 16);
+        const unsigned biased = and_or(word >> (lb * i), mask, magic);  // MAGIC + q in both halves
+        return __hsub2(bits_as_vec2<T>(biased), bits_as_vec2<T>(magic_minus));
+    }
 }
 
-// The scale bits and zero of group `group` of a row (gi: the row's first group index); symmetric: the midpoint.
-__device__ __forceinline__ void load_group(const QuantMatrix& mat, long long gi, int group, int midpoint,
+// The scale bits and zero at index `index` (row * groups + group); symmetric: the midpoint.
+__device__ __forceinline__ void load_group(const QuantMatrix& mat, unsigned index, int midpoint,
                                            unsigned short& scale_bits, int& zero) {
-    scale_bits = __ldg(mat.scales + gi + group);
-    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + gi + group)) : midpoint;
+    scale_bits = __ldg(mat.scales + index);
+    zero = mat.zeros ? static_cast<int>(__ldg(mat.zeros + index)) : midpoint;
 }
 
 // INT3: the high-plane bits of word `word_index` of `row` (a high word covers two low words).
