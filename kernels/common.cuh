@@ -5,9 +5,6 @@
 
 #define TL_INF __int_as_float(0x7f800000)
 
-// A compile-time bool as a value (NVRTC has no <type_traits>): lets a generic lambda be instantiated per case.
-template <bool B> struct Bool { static constexpr bool value = B; };
-
 // Activation types: fp16 or bf16, chosen per kernel instantiation.
 template <typename T> struct Vec2;
 template <> struct Vec2<__half> { using type = __half2; };

@@ -78,40 +78,38 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     if (lane < total) load(lane, next);
     pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
     // Rows past N were loaded clamped (load_chunk): every row is accumulated without a test, the caller drops them.
-    {
-        for (int c = lane; c < total; c += STRIDE) {
-            const Chunk<BITS, R> cur = next;
-            if (c + STRIDE < total) load(c + STRIDE, next);
-            const bool full = ALL_FULL || c < chunks;
-            const int first_word = first_word_of(c);
-            const int group0 = (first_word * cpw) >> group_shift;
-            float scale[R][NG];
-            unsigned magic_minus[R][NG];
+    for (int c = lane; c < total; c += STRIDE) {
+        const Chunk<BITS, R> cur = next;
+        if (c + STRIDE < total) load(c + STRIDE, next);
+        const bool full = ALL_FULL || c < chunks;
+        const int first_word = first_word_of(c);
+        const int group0 = (first_word * cpw) >> group_shift;
+        float scale[R][NG];
+        unsigned magic_minus[R][NG];
 #pragma unroll
-            for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int k = 0; k < NG; ++k) {
-                    scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
-                    magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
-                }
+            for (int k = 0; k < NG; ++k) {
+                scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
+                magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
+            }
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (i == 0 || full) {
-                    const int word_index = first_word + i;
-                    const int col0 = word_index * cpw;
-                    // A select, not a run-time array index (which would put the arrays in local memory).
-                    const bool second = NG == 2 && (col0 >> group_shift) != group0;
-                    uint4 xv[MAXM][XWords<BITS>::count];
-                    load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
+        for (int i = 0; i < 4; ++i) {
+            if (i == 0 || full) {
+                const int word_index = first_word + i;
+                const int col0 = word_index * cpw;
+                // A select, not a run-time array index (which would put the arrays in local memory).
+                const bool second = NG == 2 && (col0 >> group_shift) != group0;
+                uint4 xv[MAXM][XWords<BITS>::count];
+                load_x<BITS, T, MAXM>(x, ldx, col0, M, xv);
 #pragma unroll
-                    for (int r = 0; r < R; ++r) {
-                        unsigned high = 0u;
-                        if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
-                        const int k = NG - 1;  // the second group's index where there is one
-                        accumulate_word<BITS, T, MAXM>(cur.w[r][i], high, second ? scale[r][k] : scale[r][0],
-                                                       second ? cur.zero[r][k] : cur.zero[r][0],
-                                                       second ? magic_minus[r][k] : magic_minus[r][0], xv, M, acc[r]);
-                    }
+                for (int r = 0; r < R; ++r) {
+                    unsigned high = 0u;
+                    if constexpr (BITS == 3) high = cur.high[r][i / 2] >> (8 * (word_index & 1));
+                    const int k = NG - 1;  // the second group's index where there is one
+                    accumulate_word<BITS, T, MAXM>(cur.w[r][i], high, second ? scale[r][k] : scale[r][0],
+                                                   second ? cur.zero[r][k] : cur.zero[r][0],
+                                                   second ? magic_minus[r][k] : magic_minus[r][0], xv, M, acc[r]);
                 }
             }
         }
