@@ -1,5 +1,5 @@
-// The dot-product core of the CUDA-core GEMVs (gemv_quant.cu, gemv_stream.cu): activations of one weight word
-// and the accumulation of one weight word into per-token-row sums.
+// The dot-product core of the CUDA-core GEMV (gemv_quant.cu): activations of one weight word and the accumulation
+// of one weight word into per-token-row sums.
 #pragma once
 #include "quant_layout.cuh"
 

@@ -103,19 +103,15 @@ def _matrix_arguments(layers: list[QuantLinear], tensor_names: tuple[str, ...]) 
     """The per-matrix arguments of a fused launch (up to three matrices; missing ones null): the pointers of
     ``tensor_names`` and the matrix's rows."""
     arguments: list = []
-    for layer in layers:
-        # The kernels index packed weights, scales and zeros with 32-bit offsets.
-        if any(
-            getattr(layer, name, None) is not None and getattr(layer, name).numel() >= 2**31 for name in tensor_names
-        ):
+    for index in range(3):
+        layer = layers[index] if index < len(layers) else None
+        tensors = [None if layer is None else getattr(layer, name, None) for name in tensor_names]
+        if any(t is not None and t.numel() >= 2**31 for t in tensors):  # the kernels index them with 32-bit offsets
             raise CudaPathUnavailable(
                 f"the low-bit kernels index packed tensors with 32-bit offsets; a {layer.out_features}x"
                 f"{layer.in_features} layer has 2^31 or more packed elements"
             )
-    for index in range(3):
-        layer = layers[index] if index < len(layers) else None
-        arguments += [ptr(None if layer is None else getattr(layer, name, None)) for name in tensor_names]
-        arguments.append(i32(0 if layer is None else layer.out_features))
+        arguments += [*map(ptr, tensors), i32(0 if layer is None else layer.out_features)]
     return arguments
 
 
