@@ -7,13 +7,17 @@
 // graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head for every
 // new token (G * Q <= 8 query vectors read each K/V byte once). q and out: [B * Q, Hq, D]. Scores use exp2 with q
 // pre-scaled by softmax_scale * log2(e).
-// One split writes the output directly; several write fp32 partials (o, m, l) and the last split of a (row, KV
-// head) to finish — counted in split_counters, which it resets for the next launch — merges them.
+//
+// Splits come in units of CLUSTER CTAs (a thread-block cluster on sm_90+, CLUSTER = 8; single CTAs before). A
+// row's length is spread over as many units as keep each CTA at <= tokens_per_split tokens (the rest exit at
+// once), so a short context is served by one unit, which merges its CTAs' partial softmax states through
+// distributed shared memory: no global-memory round trip, fence or counter. With more units (long contexts),
+// every CTA writes fp32 partials (o, m, l) and the last CTA of a (row, KV head) to finish — counted in
+// split_counters, which it resets for the next launch — merges them.
 #include "common.cuh"
 
 constexpr int PAGE = 16;
-// Tokens per thread whose loads are in flight together (raw: 5 registers each). Decode step on the H200 (INT4, L = 4,
-// context ~200): 4 was ~3% faster than 8 at batch 1 and equal at batch 16; 16 was 10-70% slower.
+// Tokens per thread whose K and V loads are in flight together (raw: 10 registers each).
 constexpr int UNROLL = 4;
 
 // 8 consecutive K or V elements of one token and head as loaded (a 16-byte load in T; 8 bytes and the token's
@@ -57,168 +61,258 @@ __device__ __forceinline__ void raw8_to_float(const Raw8& raw, float (&out)[8]) 
     }
 }
 
-// A token is served by D/8 consecutive threads (8 elements each), so a CTA of 128 threads works on 1024/D tokens
-// at once and every load of a pass is independent (page slots are looked up once, into shared memory).
-// MAX_GROUP (1, 2, 4 or 8) bounds the query vectors per CTA (G * Q): the V accumulators take 8 * MAX_GROUP
-// registers, so MHA decode (1) keeps occupancy high.
-template <typename T, int KV_INT8, int MAX_GROUP>
+// Thread-block clusters (sm_90+; CLUSTER = 1 launches never call these): rank, barrier, peer shared memory.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned rank = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+    return rank;
+}
+
+// Every thread of every CTA of the cluster arrives; release / acquire make shared-memory writes before it visible
+// to the peers' reads after it.
+__device__ __forceinline__ void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at ``p`` (an address in this CTA's shared memory) in the shared memory of the cluster's CTA ``rank``.
+__device__ __forceinline__ float load_peer_shared(const float* p, unsigned rank) {
+    float value = 0.0f;
+#if __CUDA_ARCH__ >= 900
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
+#endif
+    return value;
+}
+
+// A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of 128 threads works on
+// 1024/D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
+// output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
+// flight together, with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2, 4 or 8) bounds the query
+// vectors per CTA (G * Q).
+template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER>
 __global__ void __launch_bounds__(128) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int D, int Q, int max_blocks, int chunk, float scale_log2) {
+    int Hq, int Hkv, int D, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
     pdl_trigger();
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
     const int G = Hq / Hkv, V = G * Q;
-    const int per_token = D / 8, tokens_per_pass = blockDim.x / per_token;
-    float* q_s = smem;                                    // [V][D]
-    float* scores = q_s + V * D;                          // [V][chunk]
-    float* stats = scores + V * chunk;                    // [V][2]: max, sum
-    float* partial = stats + 2 * V;                       // [tokens_per_pass][V][D]
-    int* slots = reinterpret_cast<int*>(partial + tokens_per_pass * V * D);  // [chunk]
+    const int per_token = D / 8, subs = blockDim.x / per_token;
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int length = lengths[b], start = starts[b];
+    float* q_s = smem;                        // [V][D]; after the token loop, the CTA's merged (unnormalized) o
+    float* sub_o = q_s + V * D;               // [subs][V][D]
+    float* sub_ml = sub_o + subs * V * D;     // [subs][V][2]: max, sum
+    float* cta_ml = sub_ml + subs * V * 2;    // [V][2]
+    float* weights = cta_ml + 2 * V;          // [V][splits]: the global merge's weight per split
     // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
     auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
-    // The tokens are spread over all splits whatever the length (the grid is fixed per cache capacity, so that
-    // a captured graph serves every step): span <= chunk, the shared-memory stride, since length <= capacity.
-    const int span = (length + splits - 1) / splits;
-    const int t0 = split * span, n = max(0, min(length, t0 + span) - t0);
     for (int i = threadIdx.x; i < V * D; i += blockDim.x) q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int t = t0 + i;
-        slots[i] = (block_table[b * max_blocks + t / PAGE] * Hkv + kv_head) * PAGE + t % PAGE;
-    }
-    __syncthreads();
+    const int length = lengths[b], start = starts[b];
+    const int units = splits / CLUSTER, per_unit = CLUSTER * tokens_per_split;
+    const int active = min(units, max(1, (length + per_unit - 1) / per_unit)) * CLUSTER;
+    if (split >= active) return;  // whole units: no peer of this CTA waits for it
+    const int span = (length + active - 1) / active;
+    const int t0 = split * span, n = max(0, min(length, t0 + span) - t0);
     const int sub = threadIdx.x / per_token, offset = (threadIdx.x % per_token) * 8;
-    // Phase 1: scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
-    // UNROLL tokens per thread are loaded before any math, so their latencies overlap.
-    for (int base = 0; base < n; base += UNROLL * tokens_per_pass) {
-        Raw8 k_raw[UNROLL];
+    const int* table = block_table + static_cast<long long>(b) * max_blocks;
+    int page[UNROLL];
+    auto pages_of = [&](int base) {
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * tokens_per_pass + sub;
-            if (i < n) k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slots[i], D, offset);
-            else k_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+            const int i = base + u * subs + sub;
+            page[u] = i < n ? table[(t0 + i) / PAGE] : 0;
         }
+    };
+    pages_of(0);
+    float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][8];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * tokens_per_pass + sub;
-            float k[8];
-            raw8_to_float<T, KV_INT8>(k_raw[u], k);
-            for (int g = 0; g < V; ++g) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
-                for (int width = per_token / 2; width > 0; width >>= 1)
-                    dot += __shfl_xor_sync(0xffffffffu, dot, width);
-                // Outside [start, the query token's own position]: left padding, or (Q > 1) a later new token.
-                const int t = t0 + i, last = length - Q + g / G;
-                if (offset == 0 && i < n) scores[g * chunk + i] = t < start || t > last ? -TL_INF : dot;
-            }
-        }
-    }
-    __syncthreads();
-    // Phase 2: per head, max and sum of exp2; scores become unnormalized probabilities.
-    for (int g = warp; g < V; g += warps) {
-        float m = -TL_INF;
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, scores[g * chunk + i]);
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int i = lane; i < n; i += 32) {
-            const float p = m == -TL_INF ? 0.0f : exp2f(scores[g * chunk + i] - m);
-            scores[g * chunk + i] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            stats[2 * g] = m;
-            stats[2 * g + 1] = l;
-        }
-    }
-    __syncthreads();
-    // Phase 3: each thread sums p * V over its tokens for its 8 dimensions, then the passes are added up.
-    float acc[MAX_GROUP][8];
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g)
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        m[g] = -TL_INF;
+        l[g] = 0.0f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
-    for (int base = sub; base < n; base += UNROLL * tokens_per_pass) {
-        Raw8 v_raw[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (base + u * tokens_per_pass < n)
-                v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slots[base + u * tokens_per_pass], D, offset);
+    }
+    __syncthreads();  // q_s
+    for (int base = 0; base < n; base += UNROLL * subs) {
+        Raw8 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * tokens_per_pass;
-            if (i >= n) break;
-            float v[8];
-            raw8_to_float<T, KV_INT8>(v_raw[u], v);
+            const int i = base + u * subs + sub, t = t0 + i;
+            const int slot = (page[u] * Hkv + kv_head) * PAGE + t % PAGE;
+            if (i < n) {
+                k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slot, D, offset);
+                v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slot, D, offset);
+            } else {  // zeros, so that p = 0 times v stays 0
+                k_raw[u] = v_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};
+            }
+        }
+        if (base + UNROLL * subs < n) pages_of(base + UNROLL * subs);
+        // Scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
+        float s[UNROLL][MAX_GROUP];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * subs + sub, t = t0 + i;
+            float k[8];
+            raw8_to_float<T, KV_INT8>(k_raw[u], k);
 #pragma unroll
             for (int g = 0; g < MAX_GROUP; ++g) {
                 if (g < V) {
-                    const float p = scores[g * chunk + i];
+                    float dot = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[g][e] += p * v[e];
+                    for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
+                    for (int width = per_token / 2; width > 0; width >>= 1)
+                        dot += __shfl_xor_sync(0xffffffffu, dot, width);
+                    // Outside [start, the query token's own position]: left padding, or (Q > 1) a later new token.
+                    const int last = length - Q + g / G;
+                    s[u][g] = i >= n || t < start || t > last ? -TL_INF : dot;
                 }
             }
         }
+        // Online softmax: rescale the state to the new running max, then add this step's tokens.
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g < V) {
+                float top = m[g];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) top = fmaxf(top, s[u][g]);
+                const float rescale = top == -TL_INF ? 1.0f : exp2f(m[g] - top);
+                l[g] *= rescale;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] *= rescale;
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    s[u][g] = top == -TL_INF ? 0.0f : exp2f(s[u][g] - top);
+                    l[g] += s[u][g];
+                }
+                m[g] = top;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float v[8];
+            raw8_to_float<T, KV_INT8>(v_raw[u], v);
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g)
+                if (g < V)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(s[u][g], v[e], acc[g][e]);
+        }
     }
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g)
-        if (g < V)
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g < V) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) partial[(sub * V + g) * D + offset + e] = acc[g][e];
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
-        const int g = idx / D, d = idx % D;
-        float o = 0.0f;
-        for (int s = 0; s < tokens_per_pass; ++s) o += partial[(s * V + g) * D + d];
-        const long long row = row_of(g);
-        if (splits == 1) {
-            out[row * D + d] = from_float<T>(o / stats[2 * g + 1]);
-        } else {
-            part_o[(row * splits + split) * D + d] = o;
-            if (d == 0) {
-                part_ml[(row * splits + split) * 2] = stats[2 * g];
-                part_ml[(row * splits + split) * 2 + 1] = stats[2 * g + 1];
+            for (int e = 0; e < 8; ++e) sub_o[(sub * V + g) * D + offset + e] = acc[g][e];
+            if (offset == 0) {
+                sub_ml[(sub * V + g) * 2] = m[g];
+                sub_ml[(sub * V + g) * 2 + 1] = l[g];
             }
         }
     }
-    if (splits == 1) return;
-    // The last split to finish merges: out = sum_i o_i 2^(m_i - M) / sum_i l_i 2^(m_i - M).
+    __syncthreads();
+    // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml.
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        float top = -TL_INF;
+        for (int i = 0; i < subs; ++i) top = fmaxf(top, sub_ml[(i * V + g) * 2]);
+        float o = 0.0f, sum = 0.0f;
+        for (int i = 0; i < subs; ++i) {
+            const float mi = sub_ml[(i * V + g) * 2];
+            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - top);
+            o += sub_o[(i * V + g) * D + d] * w;
+            sum += sub_ml[(i * V + g) * 2 + 1] * w;
+        }
+        q_s[idx] = o;
+        if (d == 0) {
+            cta_ml[2 * g] = top;
+            cta_ml[2 * g + 1] = sum;
+        }
+    }
+    if (CLUSTER > 1 && active == CLUSTER) {
+        // One unit: rank r of the cluster finishes elements [r * share, (r + 1) * share) from every peer's state.
+        cluster_barrier();
+        const unsigned rank = cluster_rank();
+        const int share = (V * D + CLUSTER - 1) / CLUSTER;
+        for (int j = threadIdx.x; j < share; j += blockDim.x) {
+            const int idx = rank * share + j;
+            if (idx >= V * D) break;
+            const int g = idx / D, d = idx % D;
+            float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
+#pragma unroll
+            for (int c = 0; c < CLUSTER; ++c) {  // every peer load in flight together
+                mc[c] = load_peer_shared(cta_ml + 2 * g, c);
+                lc[c] = load_peer_shared(cta_ml + 2 * g + 1, c);
+                oc[c] = load_peer_shared(q_s + idx, c);
+            }
+            float top = -TL_INF;
+#pragma unroll
+            for (int c = 0; c < CLUSTER; ++c) top = fmaxf(top, mc[c]);
+            float o = 0.0f, sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CLUSTER; ++c) {
+                const float w = mc[c] == -TL_INF ? 0.0f : exp2f(mc[c] - top);
+                o += oc[c] * w;
+                sum += lc[c] * w;
+            }
+            out[row_of(g) * D + d] = from_float<T>(o / sum);
+        }
+        cluster_barrier();  // a CTA's shared memory stays until every peer has read it
+        return;
+    }
+    if (active == 1) {
+        for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+            const int g = idx / D;  // the thread that wrote q_s[idx] (and cta_ml for d == 0) reads it
+            out[row_of(g) * D + idx % D] = from_float<T>(q_s[idx] / cta_ml[2 * g + 1]);
+        }
+        return;
+    }
+    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        const long long row = row_of(g);
+        part_o[(row * splits + split) * D + d] = q_s[idx];
+        if (d == 0) {
+            part_ml[(row * splits + split) * 2] = cta_ml[2 * g];
+            part_ml[(row * splits + split) * 2 + 1] = cta_ml[2 * g + 1];
+        }
+    }
+    // The last active split to finish merges: out = sum_i o_i 2^(m_i - M) / sum_i l_i 2^(m_i - M).
     __shared__ int is_last;
     __threadfence();  // this split's partials are visible device-wide before it is counted
     __syncthreads();
     if (threadIdx.x == 0) {
         int* counter = split_counters + b * Hkv + kv_head;
-        is_last = atomicAdd(counter, 1) == splits - 1;
+        is_last = atomicAdd(counter, 1) == active - 1;
         if (is_last) *counter = 0;
     }
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // Per head, the splits' weights 2^(m_i - M) / L go to shared memory (warp per head, lanes over splits; the
-    // scores buffer is free now), then every output element sums its splits with their loads in flight together.
-    // Partials are read through L2 (__ldcg): other CTAs wrote them.
-    float* weights = scores;  // [V][splits] (splits <= chunk)
+    // Per head, the splits' weights 2^(m_i - M) / L go to shared memory (warp per head, lanes over splits), then
+    // every output element sums its splits with their loads in flight together. Partials are read through L2
+    // (__ldcg): other CTAs wrote them.
     for (int g = warp; g < V; g += warps) {
         const float* ml = part_ml + row_of(g) * splits * 2;
-        float m = -TL_INF;
-        for (int i = lane; i < splits; i += 32) m = fmaxf(m, __ldcg(ml + 2 * i));
-        m = warp_max(m);
-        float l = 0.0f;
-        for (int i = lane; i < splits; i += 32) {
+        float top = -TL_INF;
+        for (int i = lane; i < active; i += 32) top = fmaxf(top, __ldcg(ml + 2 * i));
+        top = warp_max(top);
+        float sum = 0.0f;
+        for (int i = lane; i < active; i += 32) {
             const float mi = __ldcg(ml + 2 * i);
-            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - m);
+            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - top);
             weights[g * splits + i] = w;
-            l += w * __ldcg(ml + 2 * i + 1);
+            sum += w * __ldcg(ml + 2 * i + 1);
         }
-        l = warp_sum(l);
-        for (int i = lane; i < splits; i += 32) weights[g * splits + i] /= l;
+        sum = warp_sum(sum);
+        for (int i = lane; i < active; i += 32) weights[g * splits + i] /= sum;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
@@ -226,7 +320,7 @@ __global__ void __launch_bounds__(128) paged_decode(
         const long long row = row_of(g);
         float o = 0.0f;
 #pragma unroll 8
-        for (int i = 0; i < splits; ++i) {
+        for (int i = 0; i < active; ++i) {
             const float w = weights[g * splits + i];
             if (w != 0.0f) o += __ldcg(part_o + (row * splits + i) * D + d) * w;
         }

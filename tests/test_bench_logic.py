@@ -4,6 +4,7 @@ paged-decode partition and the capacity buckets (the kernels themselves are test
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tinyloop_hf.eval.bench import (
     regression_check,
     weight_bytes,
 )
-from tinyloop_hf.kernels.ops_cuda import _SMEM_LIMIT, PAGE_SIZE, _decode_shared_floats, decode_partition
+from tinyloop_hf.kernels.ops_cuda import _SMEM_LIMIT, _decode_shared_floats, decode_partition
 from tinyloop_hf.quantizer_tinyloop import replace_linears
 
 ROWS = [
@@ -54,11 +55,23 @@ def test_regression_check_fails_below_the_tolerance(tmp_path, capsys):
 @pytest.mark.parametrize("batch", [1, 16, 64])
 @pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (8, 256), (1, 16)])
 @pytest.mark.parametrize("capacity", [128, 2048, 8192, 16384])
-def test_decode_partition_covers_the_capacity_within_shared_memory(batch, group, dim, capacity):
-    splits, chunk = decode_partition(batch, 16 // group if group < 16 else 1, group, dim, capacity)
-    assert splits * chunk >= capacity and (splits - 1) * chunk < capacity
-    assert chunk % PAGE_SIZE == 0 and splits <= chunk  # the in-kernel merge keeps a weight per split in a chunk
-    assert 4 * _decode_shared_floats(group, dim, chunk) <= _SMEM_LIMIT
+@pytest.mark.parametrize("max_cluster", [1, 8])
+def test_decode_partition_fills_the_gpu_within_shared_memory(batch, group, dim, capacity, max_cluster):
+    kv_heads = 16 // group if group < 16 else 1
+    splits, tokens_per_split, cluster = decode_partition(batch, kv_heads, group, dim, capacity, max_cluster)
+    assert splits % cluster == 0 and splits >= cluster
+    # Clusters for small batches (one cluster per (row, KV head) stays within ~4 CTAs per SM) and capacities of up
+    # to 4 units.
+    small = batch * kv_heads * max_cluster <= 528 and capacity <= 4 * max_cluster * tokens_per_split
+    assert cluster == (max_cluster if small else 1)
+    assert 4 * _decode_shared_floats(group, dim, splits) <= _SMEM_LIMIT
+    # A split is two steps of the kernel's token loop (UNROLL 4 tokens per thread, D/8 threads per token).
+    assert tokens_per_split == 2 * 4 * 128 // (dim // 8)
+    # Enough CTAs for ~4 per SM of 132 when the context is long enough to use them, no more splits than it can use.
+    useful = math.ceil(capacity / tokens_per_split)
+    assert splits < cluster + min(useful, math.ceil(528 / (batch * kv_heads)))
+    if useful * batch * kv_heads >= 528:
+        assert splits * batch * kv_heads >= 528 or 4 * _decode_shared_floats(group, dim, splits + cluster) > _SMEM_LIMIT
 
 
 def test_capacity_buckets_are_powers_of_two_that_fit():

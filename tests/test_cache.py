@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from helpers import tiny_model
-from tinyloop_hf import TinyLoopCache
+from tinyloop_hf import PagedTinyLoopCache, TinyLoopCache
 
 IDS = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -108,3 +110,19 @@ def test_cache_works_with_gradients():
     second = model(IDS[:, 6:], past_key_values=cache, use_cache=True).logits
     (first.sum() + second.sum()).backward()
     assert model.lm_head.weight.grad is not None
+
+
+def test_a_replayed_step_marks_its_slots_at_once_and_names_one_out_of_step():
+    model = tiny_model("ouro").to(torch.bfloat16)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    with torch.no_grad():
+        model(IDS, past_key_values=cache, use_cache=True, num_loops=2)
+    slots = sorted(cache.slot_lengths)
+    cache.step_tokens = 1  # as begin_step sets it for a decode step
+    cache.mark_all_written(slots)
+    assert all(cache.slot_lengths[slot] == IDS.shape[1] + 1 for slot in slots)
+    cache.end_step()
+    cache.step_tokens = 1
+    cache.slot_lengths[slots[1]] -= 1
+    with pytest.raises(ValueError, match=rf"slot {re.escape(cache.describe_slot(slots[1]))} holds 12 tokens"):
+        cache.mark_all_written(slots)

@@ -40,10 +40,13 @@ def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
+    monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: ops_cuda.DECODE_CLUSTER)  # as on sm_90+
     monkeypatch.setattr(
         ops_cuda,
         "launch",
-        lambda fn, grid, block, args, shared_mem=0, dependent=False: recorded.append((*fn, grid, args, shared_mem)),
+        lambda fn, grid, block, args, shared_mem=0, dependent=False, cluster=1: recorded.append(
+            (*fn, grid, args, shared_mem)
+        ),
     )
     return recorded
 
@@ -96,7 +99,10 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
         launches.clear()
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
     heads, kv_heads, dim = 4, model.config.num_key_value_heads, model.config.head_dim
-    splits, _ = ops_cuda.decode_partition(1, kv_heads, heads // kv_heads, dim, cache.storage.capacity)
+    splits, _, cluster = ops_cuda.decode_partition(
+        1, kv_heads, heads // kv_heads, dim, cache.storage.capacity, ops_cuda.DECODE_CLUSTER
+    )
+    assert cluster == ops_cuda.DECODE_CLUSTER
     names = [name for _, name, *_ in launches]
     kernels = [n.split("<")[0] for n in names]
     # A loop: the first block's input norm, then per block QKV (from the second block on with the previous block's
@@ -124,7 +130,8 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert ", true, " in gate_up_launch[1] and ", true, " not in first_qkv[1]  # SwiGLU fused into gate/up
     assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
-    assert launches[2][2] == (kv_heads, 1, splits)  # paged decode grid
+    assert launches[2][2] == (kv_heads, 1, splits) and splits % cluster == 0  # paged decode grid: whole clusters
+    assert names[2].endswith(f", {cluster}>")
     assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
@@ -180,7 +187,7 @@ def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
     assert o_grid[1] == 1 and int(o_args[4]) == attention.o_proj.out_features and int(o_args[9]) == 0
 
 
-def test_programmatic_launch_structs_match_cuda_h():
+def test_launch_attribute_structs_match_cuda_h():
     """CUlaunchAttribute / CUlaunchConfig as cuda.h lays them out (64-bit)."""
     assert ctypes.sizeof(loader._LaunchAttribute) == 72 and loader._LaunchAttribute.value.offset == 8
     config = loader._LaunchConfig
@@ -188,15 +195,15 @@ def test_programmatic_launch_structs_match_cuda_h():
     assert ctypes.sizeof(config) == 56
 
 
-def test_programmatic_launch_passes_the_arguments(monkeypatch):
+def test_attribute_launch_passes_the_arguments_and_attributes(monkeypatch):
     seen = {}
 
     def fake_launch(config_ref, function, params, extra):
         config = ctypes.cast(config_ref, ctypes.POINTER(loader._LaunchConfig)).contents
-        attribute = config.attrs[0]
+        attributes = [config.attrs[i] for i in range(config.num_attrs)]
         seen.update(grid=(config.grid_x, config.grid_y, config.grid_z), block=(config.block_x, config.block_y),
-                    shared=config.shared_mem, stream=config.stream, attribute=(attribute.id, attribute.value),
-                    count=config.num_attrs, function=function)  # fmt: skip
+                    shared=config.shared_mem, stream=config.stream, function=function,
+                    attributes=[(a.id, a.value, a.value_y, a.value_z) for a in attributes])  # fmt: skip
         seen["args"] = (
             ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64)).contents.value,
             ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32)).contents.value,
@@ -208,9 +215,11 @@ def test_programmatic_launch_passes_the_arguments(monkeypatch):
     compiled = type("Function", (), {"ptr": 0xABC})()  # cupy.cuda.function.Function: .ptr is the CUfunction
     function = type("RawKernel", (), {"kernel": compiled})()
     args = (np.uint64(2**40 + 5), np.int32(-3), np.float32(0.5))
-    loader._launch_programmatic(function, (7,), (128,), args, 4096, 0x1234)
-    assert seen == {"grid": (7, 1, 1), "block": (128, 1), "shared": 4096, "stream": 0x1234, "attribute": (6, 1),
-                    "count": 1, "function": 0xABC, "args": (2**40 + 5, -3, 0.5)}  # fmt: skip
+    attributes = [loader._LaunchAttribute(id=loader._PROGRAMMATIC_STREAM_SERIALIZATION, value=1),
+                  loader._LaunchAttribute(id=loader._CLUSTER_DIMENSION, value=1, value_y=1, value_z=8)]  # fmt: skip
+    loader._launch_ex(function, (7, 2, 16), (128,), args, 4096, 0x1234, attributes)
+    assert seen == {"grid": (7, 2, 16), "block": (128, 1), "shared": 4096, "stream": 0x1234, "function": 0xABC,
+                    "attributes": [(6, 1, 0, 0), (4, 1, 1, 8)], "args": (2**40 + 5, -3, 0.5)}  # fmt: skip
     monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: lambda *a: 1)
-    with pytest.raises(RuntimeError, match="CUresult 1"):
-        loader._launch_programmatic(function, (1,), (32,), args, 0, 0)
+    with pytest.raises(RuntimeError, match=r"attributes \[4\]\) failed with CUresult 1"):
+        loader._launch_ex(function, (1,), (32,), args, 0, 0, attributes[1:])

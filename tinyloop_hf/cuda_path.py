@@ -11,6 +11,7 @@ streamers, return types) is untouched: the graph only replaces the forward call.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,8 +157,7 @@ class CudaPath:
         entry.input_ids.copy_(input_ids)
         entry.position_ids.copy_(self._positions(input_ids, attention_mask, position_ids, cache))
         cache.begin_step(input_ids.shape[0], 1, None, entry.output)
-        for slot in entry.slots:
-            cache.mark_written(slot)
+        cache.mark_all_written(entry.slots)
         entry.graph.replay()
         cache.end_step()
         return entry.output.clone()
@@ -190,8 +190,18 @@ class CudaPath:
         length, slot_lengths = cache.length, dict(cache.slot_lengths)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = step()
+        # No automatic garbage collection inside the capture: a collection that frees another model's CUDA graph (a
+        # dead reference cycle) destroys it there, which capture forbids (the capture fails with
+        # cudaErrorStreamCaptureInvalidated; seen on the H200 in the GPU suite). Recent torch.cuda.graph no longer
+        # collects on entry, and a gc.collect() here took 0.23 s: the cycles wait for the next collection instead.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = step()
+        finally:
+            if collecting:
+                gc.enable()
         slots = sorted(slot for slot, held in cache.slot_lengths.items() if held != slot_lengths.get(slot))
         cache.length, cache.slot_lengths = length, slot_lengths
         return graph, output, slots
@@ -271,8 +281,7 @@ class CudaPath:
             entry.inputs[label].copy_(tensor)
         positions = inputs["positions"]
         cache.begin_step(positions.shape[0], positions.shape[1], None, entry.outputs[0])
-        for slot in entry.slots:
-            cache.mark_written(slot)
+        cache.mark_all_written(entry.slots)
         entry.graph.replay()
         cache.end_step()
         return tuple(output.clone() for output in entry.outputs)

@@ -174,6 +174,13 @@ class PagedTinyLoopCache(TinyLoopCache):
             )
         self.slot_lengths[slot] = self.length + self.step_tokens
 
+    def mark_all_written(self, slots: list[int]) -> None:
+        """mark_written for each of ``slots`` (a replayed step's), with one pass over them when all are in step."""
+        if any(self.slot_lengths.get(slot, 0) != self.length for slot in slots):
+            for slot in slots:
+                self.mark_written(slot)  # raises, naming the first slot out of step
+        self.slot_lengths.update(dict.fromkeys(slots, self.length + self.step_tokens))
+
     def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         old = self.storage
         self.storage = self._new_storage(batch, capacity, dtype, torch.device(device))

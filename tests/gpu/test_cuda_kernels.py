@@ -159,11 +159,14 @@ class _Cache:
 @pytest.mark.parametrize(
     "batch,kv_heads,group,dim,capacity,new_tokens",
     [(1, 16, 1, 128, 2048, 1), (3, 2, 4, 64, 300, 1), (2, 1, 8, 128, 64, 1), (1, 16, 1, 128, 2048, 3),
-     (3, 2, 2, 64, 300, 4)],
+     (3, 2, 2, 64, 300, 4), (3, 4, 1, 128, 520, 1)],
 )  # fmt: skip
-def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens):
+@pytest.mark.parametrize("cluster", [8, 1])  # ops_cuda.DECODE_CLUSTER (sm_90+), and single CTAs
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens, cluster,
+                                   monkeypatch):  # fmt: skip
     from tinyloop_hf.paged_cache import PAGE_SIZE
 
+    monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: cluster)  # 1: the pre-sm_90 kernel
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
     lengths = torch.tensor([capacity - 7 * b for b in range(batch)], dtype=torch.int32)
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
@@ -175,7 +178,10 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     out = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
     out = out.view(batch, new_tokens, -1, dim)
     vectors = group * new_tokens
-    assert ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity)[0] >= (2 if capacity >= 300 else 1)
+    # Rows of 2048 tokens use several units of splits (merged through global memory), the others one (a cluster
+    # merged in shared memory, or a single CTA); row lengths differ, so one launch mixes both.
+    splits, tokens_per_split, used = ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity, cluster)
+    assert used == cluster and (splits > cluster) == (capacity > cluster * tokens_per_split)
     # The last split of each (row, KV head) merges and resets its counter: a second launch gives the same output.
     assert not storage.split_counters.any()
     again = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)

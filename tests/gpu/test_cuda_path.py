@@ -3,6 +3,8 @@ with HF semantics, and the reference fixtures' greedy tokens (skipped cleanly wi
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -111,6 +113,33 @@ def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant, quant):
                            output_scores=True, **kwargs)  # fmt: skip
     assert output.sequences.shape[1] == 26 and len(output.scores) == 6
     assert torch.equal(output.sequences, want[:, :26])
+
+
+def test_no_garbage_collection_runs_inside_a_capture():
+    """A dead reference cycle that holds another CUDA graph, collected while a decode step is captured, destroys
+    that graph inside the capture, which fails it (seen in this suite). Captures run with automatic collection off,
+    and switch it back on."""
+    _, fast = _pair("ouro")
+    other, counter = torch.cuda.CUDAGraph(), torch.zeros(1, device="cuda")
+    with torch.cuda.graph(other):
+        counter.add_(1)
+    cycle = [other]
+    cycle.append(cycle)  # only a collection frees the graph
+    del other, cycle
+    seen = []
+
+    def record_collection_state(module, args):
+        if torch.cuda.is_current_stream_capturing():
+            seen.append(gc.isenabled())
+
+    hook = fast.lm_head.register_forward_pre_hook(record_collection_state)
+    try:
+        out = fast.generate(IDS[:1].cuda(), max_new_tokens=4, do_sample=False)
+    finally:
+        hook.remove()
+    assert seen == [False] and gc.isenabled()  # one capture (the decode step), collection off inside it only
+    assert len(fast._cuda_path.graphs) == 1 and out.shape[1] == IDS.shape[1] + 4
+    gc.collect()  # the cycle (and its graph) go now, outside any capture
 
 
 def test_streamer_and_sampling_through_generate(tokenizer):
