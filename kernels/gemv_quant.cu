@@ -51,7 +51,7 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
 // The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
-template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL, int SCALE_BF16>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                          int group_shift, int groups, int scale_is_bf16, int midpoint,
                                          const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
@@ -74,13 +74,8 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
         const int group1 = ((first_word + (full ? 3 : 0)) * cpw) >> group_shift;
         load_chunk<BITS, R>(mat, row0, row_step, N, words, groups, midpoint, first_word, full, group0, group1, ch);
     };
-    Chunk<BITS, R> next;
-    if (lane < total) load(lane, next);
-    pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
     // Rows past N were loaded clamped (load_chunk): every row is accumulated without a test, the caller drops them.
-    for (int c = lane; c < total; c += STRIDE) {
-        const Chunk<BITS, R> cur = next;
-        if (c + STRIDE < total) load(c + STRIDE, next);
+    auto accumulate = [&](int c, const Chunk<BITS, R>& cur) {
         const bool full = ALL_FULL || c < chunks;
         const int first_word = first_word_of(c);
         const int group0 = (first_word * cpw) >> group_shift;
@@ -90,7 +85,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
         for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int k = 0; k < NG; ++k) {
-                scale[r][k] = scale_to_float(cur.scale_bits[r][k], scale_is_bf16);
+                scale[r][k] = scale_to_float(cur.scale_bits[r][k], SCALE_BF16 < 0 ? scale_is_bf16 : SCALE_BF16);
                 magic_minus[r][k] = magic_minus_zero<T>(cur.zero[r][k]);
             }
 #pragma unroll
@@ -113,6 +108,21 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
                 }
             }
         }
+    };
+    // Two chunks per lane in flight: while one is accumulated the next one's loads are out. The loop is unrolled
+    // by two with the buffers swapping roles, so no chunk is copied between registers; a step past the end reloads
+    // its own chunk (an L2 hit) instead of branching around the loads.
+    Chunk<BITS, R> even, odd;
+    if (lane < total) load(lane, even);
+    pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
+    for (int c = lane; c < total; c += 2 * STRIDE) {
+        const int c1 = c + STRIDE;
+        load(c1 < total ? c1 : c, odd);
+        accumulate(c, even);
+        if (c1 >= total) break;
+        const int c2 = c1 + STRIDE;
+        load(c2 < total ? c2 : c1, even);
+        accumulate(c1, odd);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -121,18 +131,22 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
 }
 
 // ALL_FULL (every row a whole number of 16-byte chunks, the usual case) compiles the loop without the per-word
-// tail test.
+// tail test, and with the scale dtype (SCALE_BF16 1 or 0) fixed instead of tested per chunk; other rows take the
+// general loop (SCALE_BF16 -1: the dtype read from scale_is_bf16).
 template <int BITS, typename T, int MAXM, int R, int KSPLIT>
 __device__ __forceinline__ void row_dots_any(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                              int group_shift, int groups, int scale_is_bf16, int midpoint,
                                              const T* __restrict__ x, int ldx, int M, int part,
                                              float (&acc)[R][MAXM]) {
-    if ((K / Layout<BITS>::cols_per_word) % 4 == 0)
-        row_dots<BITS, T, MAXM, R, KSPLIT, true>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                 midpoint, x, ldx, M, part, acc);
+    if ((K / Layout<BITS>::cols_per_word) % 4 != 0)
+        row_dots<BITS, T, MAXM, R, KSPLIT, false, -1>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                      midpoint, x, ldx, M, part, acc);
+    else if (scale_is_bf16)
+        row_dots<BITS, T, MAXM, R, KSPLIT, true, 1>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                    midpoint, x, ldx, M, part, acc);
     else
-        row_dots<BITS, T, MAXM, R, KSPLIT, false>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                  midpoint, x, ldx, M, part, acc);
+        row_dots<BITS, T, MAXM, R, KSPLIT, true, 0>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                    midpoint, x, ldx, M, part, acc);
 }
 
 // One-row INT4/INT8 launches with R = 2 are held to 64 registers (8 CTAs of 128 threads per SM, no spills, checked

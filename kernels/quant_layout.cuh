@@ -24,8 +24,8 @@ struct QuantMatrix {
 // (MAGIC + z) in both halves: subtracting it from (field | MAGIC) leaves the exact q - z (INT2/3/4).
 template <typename T>
 __device__ __forceinline__ unsigned magic_minus_zero(int zero) {
-    const unsigned mz = Magic<T>::bits + zero;
-    return mz | (mz << 16);
+    // z * 0x10001 + MAGIC * 0x10001 (no carry between the halves: MAGIC + z < 2^16): one IMAD, not add-shift-or.
+    return static_cast<unsigned>(zero) * 0x10001u + Magic<T>::bits * 0x10001u;
 }
 
 // Pair i of a weight word (INT2/3/4) as exact (q - z) values; `high` is INT3's high-plane bits for this word.
