@@ -104,9 +104,9 @@ def launch(
 ) -> None:
     """Launch ``fn`` on PyTorch's current stream. ``dependent``: a kernel that calls pdl_wait() before reading
     earlier kernels' outputs; inside a CUDA-graph capture on sm_90+ it is launched with programmatic dependent
-    launch, so its start (and its first weight loads) overlap the previous kernel's end. Eager launches stay plain
-    CuPy launches (the ctypes launch costs more host time than it saves outside graphs). ``cluster`` > 1: CTAs
-    ``cluster`` consecutive along grid z form a thread-block cluster (sm_90+)."""
+    launch, so its start (and its first weight loads) overlap the previous kernel's end; eager, it stays a plain CuPy
+    launch (the ctypes launch costs more host time than it saves outside graphs). ``cluster`` > 1: every
+    ``cluster`` consecutive CTAs along grid z form a thread-block cluster (sm_90+; always a ctypes launch)."""
     stream = torch.cuda.current_stream().cuda_stream
     attributes = []
     programmatic = PROGRAMMATIC_LAUNCH and dependent and _programmatic_launch_supported()
