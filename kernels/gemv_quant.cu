@@ -109,9 +109,8 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
             }
         }
     };
-    // Two chunks per lane in flight: while one is accumulated the next one's loads are out. The loop is unrolled
-    // by two with the buffers swapping roles, so no chunk is copied between registers; a step past the end reloads
-    // its own chunk (an L2 hit) instead of branching around the loads.
+    // Unrolled by two with the buffers swapping roles, so no chunk is copied between registers; a step past the end
+    // reloads its own chunk (an L2 hit) instead of branching around the loads.
     Chunk<BITS, R> even, odd;
     if (lane < total) load(lane, even);
     pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels

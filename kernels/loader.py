@@ -109,7 +109,7 @@ def launch(
     ``cluster`` consecutive CTAs along grid z form a thread-block cluster (sm_90+; always a ctypes launch)."""
     stream = torch.cuda.current_stream().cuda_stream
     attributes = []
-    programmatic = PROGRAMMATIC_LAUNCH and dependent and _programmatic_launch_supported()
+    programmatic = PROGRAMMATIC_LAUNCH and dependent and sm90_or_newer()
     if programmatic and torch.cuda.is_current_stream_capturing():
         attributes.append(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1))
     if cluster > 1:
@@ -150,8 +150,14 @@ _ARGUMENT_CTYPES = {np.uint64: ctypes.c_uint64, np.int32: ctypes.c_int32, np.flo
 
 
 @functools.cache
-def _programmatic_launch_supported() -> bool:
-    return torch.cuda.get_device_capability() >= (9, 0)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_or_newer(device: torch.device | None = None) -> bool:
+    """Whether ``device`` (default: the current one) has thread-block clusters and programmatic dependent launch."""
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (9, 0)
 
 
 @functools.cache

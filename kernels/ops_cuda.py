@@ -22,7 +22,7 @@ from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
 from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
-from .loader import CUDA_TYPE, CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr
+from .loader import CUDA_TYPE, CudaPathUnavailable, cuda_type, f32, i32, kernel, launch, ptr, sm90_or_newer
 
 CUDA_TYPES = tuple(CUDA_TYPE.values())
 
@@ -522,7 +522,7 @@ def _attend(
 
 def decode_cluster(device: torch.device) -> int:
     """The largest unit of paged-decode splits: a cluster of DECODE_CLUSTER CTAs on sm_90+, single CTAs before."""
-    return DECODE_CLUSTER if torch.cuda.get_device_capability(device) >= (9, 0) else 1
+    return DECODE_CLUSTER if sm90_or_newer(device) else 1
 
 
 def _decode_shared_floats(vectors: int, dim: int, splits: int) -> int:
