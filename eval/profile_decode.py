@@ -69,13 +69,15 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--prefill", action="store_true", help="rank the kernels of the prefill forward instead")
     parser.add_argument(
-        "--programmatic-launch", action="store_true", help="capture programmatic launches (A/B of kernels/loader.py)"
+        "--no-programmatic-launch",
+        action="store_true",
+        help="capture plain launches, with the junctions fused into the GEMV prologues (A/B of kernels/loader.py)",
     )
     args = parser.parse_args()
-    if args.programmatic_launch:
+    if args.no_programmatic_launch:
         from tinyloop_hf.kernels import loader
 
-        loader.PROGRAMMATIC_LAUNCH = True
+        loader.PROGRAMMATIC_LAUNCH = False
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = TinyLoopForCausalLM(ouro_config(args.loops, 4096)).to(torch.bfloat16).eval()

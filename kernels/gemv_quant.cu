@@ -109,19 +109,26 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
             }
         }
     };
-    // Unrolled by two with the buffers swapping roles, so no chunk is copied between registers; a step past the end
-    // reloads its own chunk (an L2 hit) instead of branching around the loads.
+    // Unrolled by two with the buffers swapping roles, so no chunk is copied between registers; each chunk's math
+    // runs with the other buffer's loads in flight. A load past the end reloads the lane's last chunk (an L2 hit)
+    // instead of branching around the loads.
     Chunk<BITS, R> even, odd;
-    if (lane < total) load(lane, even);
-    pdl_wait();  // the first weights are in flight; x (and everything written below) comes from earlier kernels
+    if (lane < total) {
+        load(lane, even);
+        load(lane + STRIDE < total ? lane + STRIDE : lane, odd);
+    }
+    // Both first chunks are in flight (with programmatic launch, while the previous kernel still runs: at K 2048 a
+    // lane's whole share); x (and everything written below) comes from earlier kernels.
+    pdl_wait();
     for (int c = lane; c < total; c += 2 * STRIDE) {
-        const int c1 = c + STRIDE;
-        load(c1 < total ? c1 : c, odd);
+        const int c1 = c + STRIDE, c2 = c1 + STRIDE;
         accumulate(c, even);
         if (c1 >= total) break;
-        const int c2 = c1 + STRIDE;
         load(c2 < total ? c2 : c1, even);
         accumulate(c1, odd);
+        if (c2 >= total) break;
+        const int c3 = c2 + STRIDE;
+        load(c3 < total ? c3 : c2, odd);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r)

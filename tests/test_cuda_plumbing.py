@@ -41,6 +41,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: ops_cuda.DECODE_CLUSTER)  # as on sm_90+
+    # Graphs without programmatic launches (before sm_90, or turned off): junctions fused into GEMV prologues.
+    monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: False)
     monkeypatch.setattr(
         ops_cuda,
         "launch",
@@ -135,6 +137,28 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
+
+
+def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, monkeypatch):
+    """With programmatic launches (sm_90+) a GEMV loads its first weights while the junction kernel before it runs,
+    so the decode step keeps the junctions out of the GEMV prologues, eagerly as in the graph."""
+    monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
+    model = _model("ouro", 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    ids = torch.randint(1, 256, (1, 9))
+    with torch.no_grad():
+        model(ids[:, :8], past_key_values=cache, use_cache=True)
+        launches.clear()
+        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    kernels = [name.split("<")[0] for _, name, *_ in launches]
+    attention = ["gemv_quant", "paged_decode", "gemv_quant"]  # QKV with the RoPE epilogue, attention, O
+    mlp = ["residual_norm", "gemv_quant", "gemv_quant"]  # the junction after attention, gate/up, down
+    loop = ["rms_norm", *attention, *mlp]
+    loop += ["residual_norm", *attention, *mlp] * (model.config.num_loop_layers - 1) + ["residual_norm", "rms_norm"]
+    assert kernels[: len(loop)] == loop
+    gemvs = [launch for launch in launches if launch[1].startswith("gemv_quant")]
+    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-19:-14])  # no junction prologue anywhere
+    assert gemvs[0][1].endswith(", true>") and ", true, " in gemvs[2][1]  # RoPE epilogue; SwiGLU in gate/up
 
 
 def test_int8_kv_passes_scales(launches):

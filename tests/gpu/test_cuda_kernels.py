@@ -223,9 +223,11 @@ def test_compile_error_names_the_kernel():
         kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1, false>")
 
 
+@pytest.mark.parametrize("prologue", [True, False])  # False: the junction kernel (sm_90+ with programmatic launch)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant,mode", [("llama", "pre"), ("ouro", "sandwich"), ("huginn", "post_residual")])
-def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode):
+def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode, prologue, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: not prologue)
     model = tiny_model(variant, hidden_size=512, intermediate_size=1024)
     quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=64), progress=False)
     model = model.to(device="cuda", dtype=dtype)

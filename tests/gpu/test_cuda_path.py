@@ -182,13 +182,15 @@ def test_cuda_path_refuses_fp32_and_unpaged_caches():
         model(IDS.cuda(), past_key_values=TinyLoopCache(model.config), use_cache=True)
 
 
+@pytest.mark.parametrize("programmatic", [True, False])
 @pytest.mark.parametrize("variant", ["ouro", "huginn"])
-def test_programmatic_launch_graphs_equal_eager(variant, monkeypatch):
-    """Programmatic dependent launch is off by default (no measured gain); the kernels' pdl_wait() placement must
-    stay right for when it is turned on: decode and prefill graphs captured with it give the eager tokens."""
+def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, programmatic, monkeypatch):
+    """Decode and prefill graphs give the eager tokens exactly: captured with programmatic dependent launch (the
+    default on sm_90+; the kernels' pdl_wait() placement must be right, junctions run as their own kernels) and
+    without it (junctions fused into the GEMV prologues, as before sm_90)."""
     from tinyloop_hf.kernels import loader
 
-    monkeypatch.setattr(loader, "PROGRAMMATIC_LAUNCH", True)
+    monkeypatch.setattr(loader, "PROGRAMMATIC_LAUNCH", programmatic)
     _, fast = _pair(variant, QUANTS["int4-g32"])
     eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
     for ids in (IDS[:1].cuda(), IDS.cuda()):  # one row: the fused junction / RoPE GEMVs; three: the plain ones
