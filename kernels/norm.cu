@@ -5,7 +5,6 @@ template <typename T>
 __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out, int H,
                          float eps) {
     pdl_trigger();
-    pdl_wait();  // x / branch come from the previous kernels
     const long long base = static_cast<long long>(blockIdx.x) * H;
     float v[MAX_VECS][8];
     FOR_VECS(j, col) load8_as_float(x + base + col, v[j]);
@@ -18,7 +17,6 @@ __global__ void residual_norm(const T* __restrict__ x, const T* __restrict__ bra
                               const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H,
                               float eps, int mode) {
     pdl_trigger();
-    pdl_wait();  // x / branch come from the previous kernels
     const long long base = static_cast<long long>(blockIdx.x) * H;
     junction_row(x + base, branch + base, w_branch, w_next, sum_out + base, next_out + base, H, eps, mode);
 }

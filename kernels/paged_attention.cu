@@ -102,7 +102,6 @@ __global__ void __launch_bounds__(128) paged_decode(
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
     int Hq, int Hkv, int D, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
     pdl_trigger();
-    pdl_wait();  // q and the KV pages come from the previous kernels
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
     const int G = Hq / Hkv, V = G * Q;

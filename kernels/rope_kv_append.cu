@@ -19,7 +19,6 @@ __global__ void rope_kv_append(const T* __restrict__ qkv, const float* __restric
                                const int* __restrict__ positions, T* k_out, T* v_out, int tokens, int S, int Hq,
                                int Hkv, int D, int max_blocks, int layout, int kv_int8) {
     pdl_trigger();
-    pdl_wait();  // qkv comes from the previous kernel
     const int warp_id = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
     const int heads = Hq + 2 * Hkv;
     if (warp_id >= tokens * heads) return;
