@@ -78,10 +78,9 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     return v;
 }
 
-// 8 consecutive fp16/bf16 values (one 16-byte load, 16-byte aligned) as fp32.
+// 8 fp16/bf16 values as loaded in one 16-byte vector, as fp32.
 template <typename T>
-__device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+__device__ __forceinline__ void unpack8_as_float(const uint4 raw, float (&out)[8]) {
     const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -89,6 +88,12 @@ __device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }
+}
+
+// 8 consecutive fp16/bf16 values (one 16-byte load, 16-byte aligned) as fp32.
+template <typename T>
+__device__ __forceinline__ void load8_as_float(const T* p, float (&out)[8]) {
+    unpack8_as_float<T>(*reinterpret_cast<const uint4*>(p), out);
 }
 
 // 8 fp32 values rounded to T, stored with one 16-byte store (16-byte aligned).

@@ -45,48 +45,68 @@ __device__ float inverse_rms(const float (&v)[MAX_VECS][8], int H, float eps) {
     return rsqrtf(block_sum(sq) / H + eps);
 }
 
-// v <- T(T(v * inv) * weight)
-template <typename T>
-__device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight, int H, float eps) {
+// v <- T(T(v * inv) * weight), the weight's vector j (at column col) given by weight_at(j, col, out).
+template <typename T, typename WeightAt>
+__device__ void normalize_by(float (&v)[MAX_VECS][8], WeightAt weight_at, int H, float eps) {
     const float inv = inverse_rms<T>(v, H, eps);
+    const T* tag = nullptr;  // selects round_to's rounding
     FOR_VECS(j, col) {
         float w[8];
-        load8_as_float(weight + col, w);
+        weight_at(j, col, w);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[j][e] = round_to(round_to(v[j][e] * inv, weight) * w[e], weight);
+        for (int e = 0; e < 8; ++e) v[j][e] = round_to(round_to(v[j][e] * inv, tag) * w[e], tag);
     }
+}
+
+template <typename T>
+__device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight, int H, float eps) {
+    normalize_by<T>(v, [&](int, int col, float (&w)[8]) { load8_as_float(weight + col, w); }, H, eps);
 }
 
 // The junction of one row (x, branch, sum_out, next_out point at the row): sum_out (if not null) gets the new
 // residual stream, next_out (if w_next is not null) the next sublayer's normed input.
-template <typename T>
+// PRELOAD (the junction kernel): a thread's first vector of x and of both norm weights (its whole share up to hidden
+// 8192, where the kernel runs a thread per vector) is loaded with the branch, before the first reduction, so the
+// loads are in flight at once instead of one round trip after each reduction. The GEMV prologue (64 registers)
+// loads each where it is used. Same arithmetic either way.
+template <typename T, bool PRELOAD = false>
 __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                              const T* __restrict__ w_next, T* sum_out, T* next_out, int H, float eps, int mode) {
-    float v[MAX_VECS][8];
-    FOR_VECS(j, col) {
-        float a[8];
-        load8_as_float(branch + col, v[j]);
-        if (mode != 1) {
-            load8_as_float(x + col, a);
+    uint4 x_first, branch_weight_first, next_weight_first;
+    if constexpr (PRELOAD) {
+        if (const int col = threadIdx.x * 8; col < H) {
+            x_first = *reinterpret_cast<const uint4*>(x + col);
+            if (w_branch != nullptr) branch_weight_first = *reinterpret_cast<const uint4*>(w_branch + col);
+            if (w_next != nullptr) next_weight_first = *reinterpret_cast<const uint4*>(w_next + col);
+        }
+    }
+    // Vector j (at column col) of p as fp32: preloaded (vector 0 with PRELOAD; j is a compile-time index) or loaded.
+    auto vector_at = [&](const T* p, const uint4& first, int j, int col, float (&out)[8]) {
+        if (PRELOAD && j == 0) unpack8_as_float<T>(first, out);
+        else load8_as_float(p + col, out);
+    };
+    auto add_x = [&](float (&v)[MAX_VECS][8]) {  // v <- T(x + v)
+        FOR_VECS(j, col) {
+            float a[8];
+            vector_at(x, x_first, j, col, a);
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
         }
-    }
+    };
+    auto normalize_with = [&](float (&v)[MAX_VECS][8], const T* weight, const uint4& first) {
+        normalize_by<T>(v, [&](int j, int col, float (&w)[8]) { vector_at(weight, first, j, col, w); }, H, eps);
+    };
+    float v[MAX_VECS][8];
+    FOR_VECS(j, col) load8_as_float(branch + col, v[j]);
+    if (mode != 1) add_x(v);
     if (mode != 0) {
-        normalize(v, w_branch, H, eps);
-        if (mode == 1) {
-            FOR_VECS(j, col) {
-                float a[8];
-                load8_as_float(x + col, a);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[j][e] = round_to(a[e] + v[j][e], x);
-            }
-        }
+        normalize_with(v, w_branch, branch_weight_first);
+        if (mode == 1) add_x(v);
     }
     if (sum_out != nullptr) {
         FOR_VECS(j, col) store_row8(sum_out + col, v[j]);
     }
     if (w_next == nullptr) return;
-    normalize(v, w_next, H, eps);
+    normalize_with(v, w_next, next_weight_first);
     FOR_VECS(j, col) store_row8(next_out + col, v[j]);
 }

@@ -113,11 +113,14 @@ def test_fused_qkv_and_swiglu(dtype):
         assert _relative_error(swiglu, expected) <= 1e-2, rows
 
 
+# Hidden sizes: one vector of 8 per thread (2048; 5280, Huginn's, with a partial warp; 8192 at 1024 threads), and
+# several per thread (20480), past the junction kernel's preloaded first vector.
+@pytest.mark.parametrize("hidden", [2048, 5280, 8192, 20480])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ["pre", "sandwich", "post_residual"])
-def test_norm_kernels_match_reference(dtype, mode):
-    x, branch = (torch.randn(5, 3, 2048, device="cuda", dtype=dtype) * 3 for _ in range(2))
-    w_branch, w_next = (torch.rand(2048, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
+def test_norm_kernels_match_reference(dtype, mode, hidden):
+    x, branch = (torch.randn(5, 3, hidden, device="cuda", dtype=dtype) * 3 for _ in range(2))
+    w_branch, w_next = (torch.rand(hidden, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
     reference = get_op("residual_norm", REFERENCE)(x, branch, w_branch, w_next, 1e-6, mode)
     actual = ops_cuda.residual_norm(x, branch, w_branch, w_next, 1e-6, mode)
     for got, want in zip(actual, reference, strict=True):
