@@ -12,10 +12,12 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, 
     FOR_VECS(j, col) store_row8(out + base + col, v[j]);
 }
 
+// Bounded for 1024-thread launches (hidden 8192+): the preloaded vectors would otherwise take it past 64 registers.
 template <typename T>
-__global__ void __launch_bounds__(1024) residual_norm(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
-                              const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H,
-                              float eps, int mode) {
+__global__ void __launch_bounds__(1024)
+    residual_norm(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
+                  const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H, float eps,
+                  int mode) {
     pdl_trigger();
     const long long base = static_cast<long long>(blockIdx.x) * H;
     junction_row<T, true>(x + base, branch + base, w_branch, w_next, sum_out + base, next_out + base, H, eps, mode);

@@ -519,8 +519,9 @@ def _attend(
             *map(i32, (batch * steps, steps, heads, kv_heads, dim, table.shape[1] if table is not None else 0, layout)),
             i32(int(scales[0] is not None)),
         )
-        name = f"rope_kv_append<{cuda_type(dtype)}>"
-        launch(kernel("rope_kv_append.cu", name), (math.ceil(warps / 4),), (128,), args)
+        launch(
+            kernel("rope_kv_append.cu", f"rope_kv_append<{cuda_type(dtype)}>"), (math.ceil(warps / 4),), (128,), args
+        )
 
     # Decode, and short continuations of a cached sequence (e.g. a speculative verify): paged attention in place.
     continuation = cache is not None and cache.length > 0 and steps <= cache.max_continuation_tokens(config)

@@ -193,7 +193,7 @@ def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, progra
     monkeypatch.setattr(loader, "PROGRAMMATIC_LAUNCH", programmatic)
     _, fast = _pair(variant, QUANTS["int4-g32"])
     eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
-    for ids in (IDS[:1].cuda(), IDS.cuda()):  # one row: the fused junction / RoPE GEMVs; three: the plain ones
+    for ids in (IDS[:1].cuda(), IDS.cuda()):  # one row: the RoPE (and junction-prologue) GEMVs; three: the plain ones
         for _ in range(2):  # the first call captures, the second replays
             assert torch.equal(fast.generate(ids, max_new_tokens=10, do_sample=False),
                                eager.generate(ids, max_new_tokens=10, do_sample=False))  # fmt: skip
