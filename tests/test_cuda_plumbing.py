@@ -92,14 +92,21 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
         assert shared_mem <= 48 * 1024 and all(isinstance(g, int) and g > 0 for g in grid), name
 
 
-def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
-    model = _model("ouro", 4)  # 2 loop-block layers x 3 loops, sandwich norms
+def _ouro_decode_step(launches: list) -> tuple:
+    """An INT4 Ouro model (2 loop-block layers x 3 loops, sandwich norms) and its cache, with ``launches`` holding
+    the kernels of one decode step after an 8-token prompt."""
+    model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
     ids = torch.randint(1, 256, (1, 9))
     with torch.no_grad():
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         launches.clear()
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    return model, cache
+
+
+def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
+    model, cache = _ouro_decode_step(launches)
     heads, kv_heads, dim = 4, model.config.num_key_value_heads, model.config.head_dim
     splits, _, cluster = ops_cuda.decode_partition(
         1, kv_heads, heads // kv_heads, dim, cache.storage.capacity, ops_cuda.DECODE_CLUSTER
@@ -143,13 +150,7 @@ def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, 
     """With programmatic launches (sm_90+) a GEMV loads its first weights while the junction kernel before it runs,
     so the decode step keeps the junctions out of the GEMV prologues, eagerly as in the graph."""
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
-    model = _model("ouro", 4)
-    cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (1, 9))
-    with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache, use_cache=True)
-        launches.clear()
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    model, _ = _ouro_decode_step(launches)
     kernels = [name.split("<")[0] for _, name, *_ in launches]
     attention = ["gemv_quant", "paged_decode", "gemv_quant"]  # QKV with the RoPE epilogue, attention, O
     mlp = ["residual_norm", "gemv_quant", "gemv_quant"]  # the junction after attention, gate/up, down
