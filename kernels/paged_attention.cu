@@ -90,6 +90,10 @@ __device__ __forceinline__ float load_peer_shared(const float* p, unsigned rank)
     return value;
 }
 
+// The weight 2^(m - top) of a partial softmax state with running max m in a merge whose overall max is top (an empty
+// state, m = -inf, weighs 0). Used by the three merges: subs within a CTA, peers of a cluster, splits in global memory.
+__device__ __forceinline__ float merge_weight(float m, float top) { return m == -TL_INF ? 0.0f : exp2f(m - top); }
+
 // A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of 128 threads works on
 // 1024/D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
 // output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
@@ -227,7 +231,7 @@ __global__ void __launch_bounds__(128) paged_decode(
         float o = 0.0f, sum = 0.0f;
         for (int i = 0; i < subs; ++i) {
             const float mi = sub_ml[(i * V + g) * 2];
-            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - top);
+            const float w = merge_weight(mi, top);
             o += sub_o[(i * V + g) * D + d] * w;
             sum += sub_ml[(i * V + g) * 2 + 1] * w;
         }
@@ -259,7 +263,7 @@ __global__ void __launch_bounds__(128) paged_decode(
             float o = 0.0f, sum = 0.0f;
 #pragma unroll
             for (int c = 0; c < CLUSTER; ++c) {
-                const float w = mc[c] == -TL_INF ? 0.0f : exp2f(mc[c] - top);
+                const float w = merge_weight(mc[c], top);
                 o += oc[c] * w;
                 sum += lc[c] * w;
             }
@@ -307,7 +311,7 @@ __global__ void __launch_bounds__(128) paged_decode(
         float sum = 0.0f;
         for (int i = lane; i < active; i += 32) {
             const float mi = __ldcg(ml + 2 * i);
-            const float w = mi == -TL_INF ? 0.0f : exp2f(mi - top);
+            const float w = merge_weight(mi, top);
             weights[g * splits + i] = w;
             sum += w * __ldcg(ml + 2 * i + 1);
         }
