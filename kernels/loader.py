@@ -109,7 +109,8 @@ def launch(
     ``cluster`` consecutive CTAs along grid z form a thread-block cluster (sm_90+; always a ctypes launch)."""
     stream = torch.cuda.current_stream().cuda_stream
     attributes = []
-    if dependent and programmatic_launches() and torch.cuda.is_current_stream_capturing():
+    # The capture test first: eager launches (hundreds per eager step) then skip the device-capability lookup.
+    if dependent and torch.cuda.is_current_stream_capturing() and programmatic_launches():
         attributes.append(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1))
     if cluster > 1:
         attributes.append(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=1, value_y=1, value_z=cluster))
