@@ -12,12 +12,10 @@
 // chunk (4 words) of rows g and g + 8; pairs 2h and 2h + 1 of word j form the fragment's two column pairs of k-tile
 // (j, h), and the B fragment is then x at 4 consecutive columns: one 8-byte piece of the lane's activations.
 //
-// Work split: a CTA of 8 warps owns 16 output rows (of each of up to 3 matrices, CTAs in matrix order as in
-// gemv_quant; SWIGLU: gate rows and up rows together); the warps split K in 16-word steps per row and reduce
-// through shared memory.
+// Work split: a CTA of WARPS warps (8, or 16 where the grid has too few CTAs to fill the GPU) owns 16 output rows (of
+// each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together); the
+// warps split K in 16-word steps per row and reduce through shared memory.
 #include "quant_layout.cuh"
-
-constexpr int MMA_WARPS = 8;
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -152,8 +150,8 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
     }
 }
 
-template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE>
-__global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
@@ -200,7 +198,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
     };
     if (warp * 16 < words) load_step(warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
-    for (int first = warp * 16; first < words; first += 16 * MMA_WARPS) {
+    for (int first = warp * 16; first < words; first += 16 * WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
         RowChunk lo[MATS], hi[MATS];
@@ -209,7 +207,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
             lo[mi] = next_lo[mi];
             hi[mi] = next_hi[mi];
         }
-        if (first + 16 * MMA_WARPS < words) load_step(first + 16 * MMA_WARPS);
+        if (first + 16 * WARPS < words) load_step(first + 16 * WARPS);
         uint4 xv[NT][XV];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -247,7 +245,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
         }
     }
     // Sum the warps' partial products: [warp][matrix][n-tile][c][lane], conflict-free by lane.
-    __shared__ float partial[MMA_WARPS][MATS][NT][4][32];
+    __shared__ float partial[WARPS][MATS][NT][4][32];
 #pragma unroll
     for (int mi = 0; mi < MATS; ++mi)
 #pragma unroll
@@ -264,7 +262,7 @@ __global__ void __launch_bounds__(32 * MMA_WARPS) gemm_quant_mma(
             for (int c = 0; c < 4; ++c) {
                 float sum = 0.0f;
 #pragma unroll
-                for (int w = 0; w < MMA_WARPS; ++w) sum += partial[w][mi][nt][c][lane];
+                for (int w = 0; w < WARPS; ++w) sum += partial[w][mi][nt][c][lane];
                 acc[mi][nt][c] = sum;
             }
     // Accumulator c of n-tile nt: weight row g (+ 8 for c >= 2), token 8 nt + 2t + (c & 1).

@@ -158,6 +158,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The number of SMs of ``device`` (launch shapes that must fill the GPU depend on it)."""
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def programmatic_launches(device: torch.device | None = None) -> bool:
     """Whether graph captures on ``device`` (default: the current one) record dependent kernels as programmatic
     launches (sm_90+). Eager launches never are; kernel choices that depend on it are made the same way eagerly, so

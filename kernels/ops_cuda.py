@@ -30,6 +30,7 @@ from .loader import (
     i32,
     kernel,
     launch,
+    multiprocessors,
     programmatic_launches,
     ptr,
     sm90_or_newer,
@@ -40,9 +41,9 @@ CUDA_TYPES = tuple(CUDA_TYPE.values())
 CUDA = "cuda"
 GEMV_MAX_ROWS = 32  # token rows served by the GEMV kernels; more rows go through dequantize + cuBLAS
 _THREADS = 128
-_MMA_THREADS = 256  # gemm_quant_mma.cu: MMA_WARPS = 8
 MMA_BITS = (2, 3, 4, 8)  # formats the tensor-core kernel serves
 MMA_MIN_ROWS = 2  # token rows from which the tensor-core kernel replaces the CUDA-core GEMV
+MMA_WARPS = (8, 16)  # warps per CTA of the tensor-core kernel: 16 where 8-warp CTAs would not fill every SM
 _SMEM_LIMIT = 48 * 1024
 _DECODE_UNROLL = 4  # paged_attention.cu: tokens per thread per step of the token loop
 DECODE_CLUSTER = 8  # CTAs per unit of paged-decode splits on sm_90+ (a thread-block cluster, merged in shared memory)
@@ -61,13 +62,14 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
         "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}>" for b in MMA_BITS for t in types
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}>" for b in MMA_BITS for t in types
                               for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
-                              for post in ("true", "false")],
+                              for post in ("true", "false") for w in MMA_WARPS],
         "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}>" for t in types for i in (0, 1) for g in (1, 2, 4, 8)
-                               for c in (1, DECODE_CLUSTER)],
+        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
+                               for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
+                               for d in (PAGED_DIMS if full else (128,))],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
     }  # fmt: skip
 
@@ -101,7 +103,7 @@ class _GemvPlan:
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
-    mma_launches: dict[int, tuple[str, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (kernel name, CTAs)
+    mma_launches: dict[int, tuple[str, int, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads)
 
 
 _GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
@@ -151,6 +153,16 @@ def gemv_k_split(chunks: int, row_groups: int) -> int:
     return 4 if chunks >= 128 and row_groups <= 1024 else 2
 
 
+def mma_warps(ctas: int, device: torch.device) -> int:
+    """Warps per CTA of a tensor-core GEMM launch of ``ctas`` CTAs (16 output rows each, the warps splitting K): 16
+    when there are no more CTAs than SMs (o_proj and down_proj of the Ouro-1.4B shape, 128 CTAs on 132 SMs), where
+    8-warp CTAs leave most of the GPU's warp slots, and with them its loads in flight, empty; 8 otherwise."""
+    return MMA_WARPS[1] if MMA_WIDE and ctas <= multiprocessors(device) else MMA_WARPS[0]
+
+
+MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
+
+
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
     tensors = [_layer_tensors(layer) for layer in layers]
@@ -185,8 +197,10 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         ctas = sum(math.ceil(n / 16) for n in row_sizes)
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
+        warps = mma_warps(ctas, owner.qweight.device)
         mma_launches = {
-            nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}>", ctas) for nt in (1, 2)
+            nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}, {warps}>", ctas, 32 * warps)
+            for nt in (1, 2)
         }
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
@@ -227,8 +241,8 @@ def _gemv(
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
             args = arguments(start, chunk)
-            name, ctas = plan.mma_launches[1 if chunk <= 8 else 2]
-            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (_MMA_THREADS,), args, dependent=True)
+            name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
@@ -605,12 +619,12 @@ def paged_decode(
     type_name = cuda_type(query.dtype)
     args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
             ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
-            ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads), i32(dim),
+            ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)))  # fmt: skip
     smem = 4 * _decode_shared_floats(vectors, dim, splits)
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}>"
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,
            cluster=cluster)  # fmt: skip
     return out.view(rows, heads * dim)

@@ -17,6 +17,7 @@
 #include "common.cuh"
 
 constexpr int PAGE = 16;
+constexpr int DECODE_THREADS = 128;
 // Tokens per thread whose K and V loads are in flight together (raw: 10 registers each).
 constexpr int UNROLL = 4;
 
@@ -99,19 +100,21 @@ __device__ __forceinline__ float merge_weight(float m, float top) { return m == 
 // output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
 // flight together, with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2, 4 or 8) bounds the query
 // vectors per CTA (G * Q).
-template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER>
-__global__ void __launch_bounds__(128) paged_decode(
+template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D>
+__global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
     const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
     T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int D, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
+    int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
     pdl_trigger();
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
     const int G = Hq / Hkv, V = G * Q;
-    const int per_token = D / 8, subs = blockDim.x / per_token;
+    // D is a template argument: the index arithmetic (threads per token, subs, element of a vector) is shifts and
+    // the subs' merge unrolls, which at batch 16 (64 tokens per CTA) is most of a CTA's instructions otherwise.
+    constexpr int per_token = D / 8, subs = DECODE_THREADS / per_token, warps = DECODE_THREADS / 32;
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float* q_s = smem;                        // [V][D]; after the token loop, the CTA's merged (unnormalized) o
     float* sub_o = q_s + V * D;               // [subs][V][D]
     float* sub_ml = sub_o + subs * V * D;     // [subs][V][2]: max, sum
@@ -119,8 +122,9 @@ __global__ void __launch_bounds__(128) paged_decode(
     float* weights = cta_ml + 2 * V;          // [V][splits]: the global merge's weight per split
     // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
     auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
-    for (int i = threadIdx.x; i < V * D; i += blockDim.x) q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
-    const int length = lengths[b], start = starts[b];
+    const int length = lengths[b], start = starts[b];  // loaded first: the page numbers wait on them
+    for (int i = threadIdx.x; i < V * D; i += DECODE_THREADS)
+        q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     const int units = splits / CLUSTER, per_unit = CLUSTER * tokens_per_split;
     const int active = min(units, max(1, (length + per_unit - 1) / per_unit)) * CLUSTER;
     if (split >= active) return;  // whole units: no peer of this CTA waits for it
@@ -224,11 +228,13 @@ __global__ void __launch_bounds__(128) paged_decode(
     }
     __syncthreads();
     // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml.
-    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
         const int g = idx / D, d = idx % D;
         float top = -TL_INF;
+#pragma unroll
         for (int i = 0; i < subs; ++i) top = fmaxf(top, sub_ml[(i * V + g) * 2]);
         float o = 0.0f, sum = 0.0f;
+#pragma unroll
         for (int i = 0; i < subs; ++i) {
             const float mi = sub_ml[(i * V + g) * 2];
             const float w = merge_weight(mi, top);
@@ -246,7 +252,7 @@ __global__ void __launch_bounds__(128) paged_decode(
         cluster_barrier();
         const unsigned rank = cluster_rank();
         const int share = (V * D + CLUSTER - 1) / CLUSTER;
-        for (int j = threadIdx.x; j < share; j += blockDim.x) {
+        for (int j = threadIdx.x; j < share; j += DECODE_THREADS) {
             const int idx = rank * share + j;
             if (idx >= V * D) break;
             const int g = idx / D, d = idx % D;
@@ -273,13 +279,13 @@ __global__ void __launch_bounds__(128) paged_decode(
         return;
     }
     if (active == 1) {
-        for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+        for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
             const int g = idx / D;  // the thread that wrote q_s[idx] (and cta_ml for d == 0) reads it
             out[row_of(g) * D + idx % D] = from_float<T>(q_s[idx] / cta_ml[2 * g + 1]);
         }
         return;
     }
-    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
         const int g = idx / D, d = idx % D;
         const long long row = row_of(g);
         part_o[(row * splits + split) * D + d] = q_s[idx];
@@ -319,7 +325,7 @@ __global__ void __launch_bounds__(128) paged_decode(
         for (int i = lane; i < active; i += 32) weights[g * splits + i] /= sum;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < V * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
         const int g = idx / D, d = idx % D;
         const long long row = row_of(g);
         float o = 0.0f;

@@ -41,6 +41,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: ops_cuda.DECODE_CLUSTER)  # as on sm_90+
+    monkeypatch.setattr(ops_cuda, "multiprocessors", lambda device: 132)  # an H100 / H200
     # Graphs without programmatic launches (before sm_90, or turned off): junctions fused into GEMV prologues.
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: False)
     monkeypatch.setattr(
@@ -83,7 +84,7 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
         "residual_norm",
     }
     assert expected <= kernels
-    new_tokens = {int(args[15]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
+    new_tokens = {int(args[14]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
     assert new_tokens == {1, 3}  # decode, and the 3-token continuation read from the pages
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
@@ -140,7 +141,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
     assert launches[2][2] == (kv_heads, 1, splits) and splits % cluster == 0  # paged decode grid: whole clusters
-    assert names[2].endswith(f", {cluster}>")
+    assert names[2].endswith(f", {cluster}, {dim}>")
     assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops

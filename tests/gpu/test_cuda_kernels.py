@@ -48,7 +48,9 @@ def _relative_error(actual, expected):
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 256), (100, 576), (40, 224)])
-def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shape):
+@pytest.mark.parametrize("mma_warps", ops_cuda.MMA_WARPS)  # warps per CTA of the tensor-core kernel
+def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shape, mma_warps, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
     fmt = QuantFormat(
         bits=bits, group_size=group, symmetric=symmetric, scale_dtype="bfloat16" if bits == 4 else "float16"
     )
@@ -95,7 +97,9 @@ def test_swiglu_kernel_matches_pytorch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_qkv_and_swiglu(dtype):
+@pytest.mark.parametrize("mma_warps", ops_cuda.MMA_WARPS)
+def test_fused_qkv_and_swiglu(dtype, mma_warps, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
     fmt = QuantFormat(bits=4, group_size=64)
     q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
     gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
