@@ -13,8 +13,8 @@
 // (j, h), and the B fragment is then x at 4 consecutive columns: one 8-byte piece of the lane's activations.
 //
 // Work split: a CTA of WARPS warps (8, or 16 where the grid has too few CTAs to fill the GPU) owns 16 output rows (of
-// each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together); the
-// warps split K in 16-word steps per row and reduce through shared memory.
+// each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together, half of
+// the warps each); the warps split K in 16-word steps per row and reduce through shared memory.
 #include "quant_layout.cuh"
 
 template <typename T>
@@ -169,45 +169,35 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const ProjectionSlot<T> slot =
         select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
                              QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
-    QuantMatrix mats[MATS];
-    mats[0] = slot.mat;
-    if constexpr (SWIGLU) mats[1] = QuantMatrix{qw1, qh1, sc1, zr1};
+    // SWIGLU: the first half of the warps serves gate, the second up, each half splitting K (a warp holds one
+    // matrix's loads and sums: the registers, and with them the CTAs per SM, of a plain launch).
+    constexpr int K_WARPS = WARPS / MATS;
+    const int mi = warp / K_WARPS, k_warp = warp % K_WARPS;
+    const QuantMatrix mat = SWIGLU && mi == 1 ? QuantMatrix{qw1, qh1, sc1, zr1} : slot.mat;
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
     const int row0 = block * 16;
     const int row_lo = min(row0 + g, N - 1), row_hi = min(row0 + g + 8, N - 1);
     const int words = K / cpw;
-    float acc[MATS][NT][4];
+    float acc[NT][4];
 #pragma unroll
-    for (int mi = 0; mi < MATS; ++mi)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[mi][nt][c] = 0.0f;
+        for (int c = 0; c < 4; ++c) acc[nt][c] = 0.0f;
     // Each step's weights are loaded one step ahead (two steps of loads in flight per lane).
-    RowChunk next_lo[MATS], next_hi[MATS];
+    RowChunk next_lo, next_hi;
     auto load_step = [&](int first) {
         const int first_word = first + 4 * t;
-#pragma unroll
-        for (int mi = 0; mi < MATS; ++mi) {
-            load_row_chunk<BITS>(mats[mi], row_lo, words, first_word, first, group_shift, groups, midpoint,
-                                 next_lo[mi]);
-            load_row_chunk<BITS>(mats[mi], row_hi, words, first_word, first, group_shift, groups, midpoint,
-                                 next_hi[mi]);
-        }
+        load_row_chunk<BITS>(mat, row_lo, words, first_word, first, group_shift, groups, midpoint, next_lo);
+        load_row_chunk<BITS>(mat, row_hi, words, first_word, first, group_shift, groups, midpoint, next_hi);
     };
-    if (warp * 16 < words) load_step(warp * 16);
+    if (k_warp * 16 < words) load_step(k_warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
-    for (int first = warp * 16; first < words; first += 16 * WARPS) {
+    for (int first = k_warp * 16; first < words; first += 16 * K_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
-        RowChunk lo[MATS], hi[MATS];
-#pragma unroll
-        for (int mi = 0; mi < MATS; ++mi) {
-            lo[mi] = next_lo[mi];
-            hi[mi] = next_hi[mi];
-        }
-        if (first + 16 * WARPS < words) load_step(first + 16 * WARPS);
+        const RowChunk lo = next_lo, hi = next_hi;
+        if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
         uint4 xv[NT][XV];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -217,53 +207,49 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
 #pragma unroll
             for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
         }
+        const RowFragments<BITS, T, POST_SCALE> flo(lo, first_word, group_shift, scale_is_bf16),
+            fhi(hi, first_word, group_shift, scale_is_bf16);
+        if constexpr (POST_SCALE) {
+            float step[NT][4];
 #pragma unroll
-        for (int mi = 0; mi < MATS; ++mi) {
-            const RowFragments<BITS, T, POST_SCALE> flo(lo[mi], first_word, group_shift, scale_is_bf16),
-                fhi(hi[mi], first_word, group_shift, scale_is_bf16);
-            if constexpr (POST_SCALE) {
-                float step[NT][4];
+            for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
+                for (int c = 0; c < 4; ++c) step[nt][c] = 0.0f;
+            mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, step);
+            // Accumulators 0, 1 belong to row g, 2, 3 to row g + 8: their rows' scales. (The lanes of a quad read
+            // the same group here, so any lane's scale is the row's.)
+            const float s_lo = scale_to_float(lo.scale_bits[0], scale_is_bf16);
+            const float s_hi = scale_to_float(hi.scale_bits[0], scale_is_bf16);
 #pragma unroll
-                    for (int c = 0; c < 4; ++c) step[nt][c] = 0.0f;
-                mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, step);
-                // Accumulators 0, 1 belong to row g, 2, 3 to row g + 8: their rows' scales. (The lanes of a quad
-                // read the same group here, so any lane's scale is the row's.)
-                const float s_lo = scale_to_float(lo[mi].scale_bits[0], scale_is_bf16);
-                const float s_hi = scale_to_float(hi[mi].scale_bits[0], scale_is_bf16);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    acc[mi][nt][0] = fmaf(s_lo, step[nt][0], acc[mi][nt][0]);
-                    acc[mi][nt][1] = fmaf(s_lo, step[nt][1], acc[mi][nt][1]);
-                    acc[mi][nt][2] = fmaf(s_hi, step[nt][2], acc[mi][nt][2]);
-                    acc[mi][nt][3] = fmaf(s_hi, step[nt][3], acc[mi][nt][3]);
-                }
-            } else {
-                mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, acc[mi]);
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[nt][0] = fmaf(s_lo, step[nt][0], acc[nt][0]);
+                acc[nt][1] = fmaf(s_lo, step[nt][1], acc[nt][1]);
+                acc[nt][2] = fmaf(s_hi, step[nt][2], acc[nt][2]);
+                acc[nt][3] = fmaf(s_hi, step[nt][3], acc[nt][3]);
             }
+        } else {
+            mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, acc);
         }
     }
-    // Sum the warps' partial products: [warp][matrix][n-tile][c][lane], conflict-free by lane.
-    __shared__ float partial[WARPS][MATS][NT][4][32];
+    // Sum the warps' partial products per matrix: [warp][n-tile][c][lane], conflict-free by lane.
+    __shared__ float partial[WARPS][NT][4][32];
 #pragma unroll
-    for (int mi = 0; mi < MATS; ++mi)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) partial[warp][mi][nt][c][lane] = acc[mi][nt][c];
+        for (int c = 0; c < 4; ++c) partial[warp][nt][c][lane] = acc[nt][c];
     __syncthreads();
     if (warp != 0) return;
+    float sums[MATS][NT][4];
 #pragma unroll
-    for (int mi = 0; mi < MATS; ++mi)
+    for (int m = 0; m < MATS; ++m)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 float sum = 0.0f;
 #pragma unroll
-                for (int w = 0; w < WARPS; ++w) sum += partial[w][mi][nt][c][lane];
-                acc[mi][nt][c] = sum;
+                for (int w = 0; w < K_WARPS; ++w) sum += partial[m * K_WARPS + w][nt][c][lane];
+                sums[m][nt][c] = sum;
             }
     // Accumulator c of n-tile nt: weight row g (+ 8 for c >= 2), token 8 nt + 2t + (c & 1).
 #pragma unroll
@@ -272,10 +258,10 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
         for (int c = 0; c < 4; ++c) {
             const int row = row0 + g + (c >= 2 ? 8 : 0), token = 8 * nt + 2 * t + (c & 1);
             if (row >= N || token >= M) continue;
-            float v = acc[0][nt][c];
+            float v = sums[0][nt][c];
             if constexpr (SWIGLU) {
                 // Round each projection to the activation dtype first, as the unfused path does.
-                const float gate = to_float(from_float<T>(v)), up = to_float(from_float<T>(acc[1][nt][c]));
+                const float gate = to_float(from_float<T>(v)), up = to_float(from_float<T>(sums[MATS - 1][nt][c]));
                 v = to_float(from_float<T>(silu(gate))) * up;
             }
             if (bias) v += to_float(bias[row]);

@@ -150,13 +150,16 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
     }
     __syncthreads();  // q_s
-    for (int base = 0; base < n; base += UNROLL * subs) {
+    // One step of the token loop: UNROLL tokens per sub. FULL: every token of the step is valid and attended (in
+    // [start, the first new token's position]), so the step runs without bounds tests or masks.
+    // (Called with a constant FULL at two sites: each inlined copy is specialized.)
+    auto token_step = [&](int base, const bool FULL) {
         Raw8 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * subs + sub, t = t0 + i;
-            const int slot = (page[u] * Hkv + kv_head) * PAGE + t % PAGE;
-            if (i < n) {
+            const int slot = (page[u] * Hkv + kv_head) * PAGE + (t & (PAGE - 1));
+            if (FULL || i < n) {
                 k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slot, D, offset);
                 v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slot, D, offset);
             } else {  // zeros, so that p = 0 times v stays 0
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
                         dot += __shfl_xor_sync(0xffffffffu, dot, width);
                     // Outside [start, the query token's own position]: left padding, or (Q > 1) a later new token.
                     const int last = length - Q + g / G;
-                    s[u][g] = i >= n || t < start || t > last ? -TL_INF : dot;
+                    s[u][g] = !FULL && (i >= n || t < start || t > last) ? -TL_INF : dot;
                 }
             }
         }
@@ -192,13 +195,13 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
                 float top = m[g];
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) top = fmaxf(top, s[u][g]);
-                const float rescale = top == -TL_INF ? 1.0f : exp2f(m[g] - top);
+                const float rescale = !FULL && top == -TL_INF ? 1.0f : exp2f(m[g] - top);
                 l[g] *= rescale;
 #pragma unroll
                 for (int e = 0; e < 8; ++e) acc[g][e] *= rescale;
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
-                    s[u][g] = top == -TL_INF ? 0.0f : exp2f(s[u][g] - top);
+                    s[u][g] = !FULL && top == -TL_INF ? 0.0f : exp2f(s[u][g] - top);
                     l[g] += s[u][g];
                 }
                 m[g] = top;
@@ -214,6 +217,11 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(s[u][g], v[e], acc[g][e]);
         }
+    };
+    for (int base = 0; base < n; base += UNROLL * subs) {
+        const int first = t0 + base, end = first + UNROLL * subs;  // the step's tokens: [first, end)
+        if (base + UNROLL * subs <= n && first >= start && end <= length - Q + 1) token_step(base, true);
+        else token_step(base, false);
     }
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; ++g) {
