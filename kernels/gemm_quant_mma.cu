@@ -150,7 +150,12 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
     }
 }
 
-template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS>
+// RoPE epilogue (ROPE, the QKV launch of a decode step: token m is batch row m, one new token each): a CTA's 16 rows
+// are 8 dim pairs of one head, rows g and g + 8 of the tile the two dims RoPE rotates together (p, p + D/2 for
+// rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
+// [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
+// kernel (same arithmetic: the projection rounded to T, then fp32 without fused multiply-add). Needs D % 16 == 0.
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
 __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
@@ -160,7 +165,9 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const unsigned* qw2, const unsigned* qh2, const unsigned short* sc2, const unsigned char* zr2, const T* bias2,
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
-    int scale_is_bf16, int midpoint) {
+    int scale_is_bf16, int midpoint, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages,
+    T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
+    static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
@@ -177,7 +184,13 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* bias = slot.bias;
     const int N = slot.N, column = slot.column, block = slot.block;
     const int row0 = block * 16;
-    const int row_lo = min(row0 + g, N - 1), row_hi = min(row0 + g + 8, N - 1);
+    int row_lo = min(row0 + g, N - 1), row_hi = min(row0 + g + 8, N - 1);
+    const int head = ROPE ? block / (D / 16) : 0;  // ROPE: tile `block` holds pairs pair0 .. pair0 + 7 of `head`
+    if constexpr (ROPE) {
+        const int pair = (block % (D / 16)) * 8 + g;
+        row_lo = head * D + (layout == 0 ? pair : 2 * pair);
+        row_hi = layout == 0 ? row_lo + D / 2 : row_lo + 1;
+    }
     const int words = K / cpw;
     float acc[NT][4];
 #pragma unroll
@@ -252,6 +265,42 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
                 sums[m][nt][c] = sum;
             }
     // Accumulator c of n-tile nt: weight row g (+ 8 for c >= 2), token 8 nt + 2t + (c & 1).
+    if constexpr (ROPE) {
+        const int d0 = row_lo - head * D, d1 = row_hi - head * D, p = layout == 0 ? d0 : d0 / 2, half = D / 2;
+        const bool rotate = column < (Hq + Hkv) * D;  // q or k
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int token = 8 * nt + 2 * t + j;
+                if (token >= M) continue;
+                float a = sums[0][nt][j], c = sums[0][nt][2 + j];
+                if (bias) {
+                    a += to_float(bias[row_lo]);
+                    c += to_float(bias[row_hi]);
+                }
+                a = to_float(from_float<T>(a));
+                c = to_float(from_float<T>(c));
+                float out0 = a, out1 = c;
+                if (rotate) {
+                    const float cs = rope_cos[token * half + p], sn = rope_sin[token * half + p];
+                    out0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
+                    out1 = __fadd_rn(__fmul_rn(c, cs), __fmul_rn(a, sn));
+                }
+                T* dst;
+                if (column == 0) {
+                    dst = q_out + (static_cast<long long>(token) * Hq + head) * D;
+                } else {
+                    const int pos = positions[token];
+                    const int page = block_table[static_cast<long long>(token) * max_blocks + pos / 16];
+                    const long long page_slot = (static_cast<long long>(page) * Hkv + head) * 16 + pos % 16;
+                    dst = (column == Hq * D ? k_pages : v_pages) + page_slot * D;
+                }
+                dst[d0] = from_float<T>(out0);
+                dst[d1] = from_float<T>(out1);
+            }
+        return;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll

@@ -62,9 +62,10 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
         "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}>" for b in MMA_BITS for t in types
-                              for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
-                              for post in ("true", "false") for w in MMA_WARPS],
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
+                              for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
+                              for post in ("true", "false") for w in MMA_WARPS
+                              for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
         "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
@@ -103,7 +104,8 @@ class _GemvPlan:
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
-    mma_launches: dict[int, tuple[str, int, int]] | None  # tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads)
+    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
+    mma_launches: dict[int, tuple[str, int, int]] | None
 
 
 _GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
@@ -198,10 +200,8 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
-        mma_launches = {
-            nt: (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}, {warps}>", ctas, 32 * warps)
-            for nt in (1, 2)
-        }
+        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
+        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
@@ -220,14 +220,14 @@ def _gemv(
 ) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
     ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
-    ``rope``: the RoPE-epilogue arguments of a one-token QKV launch (see _attend), which writes q and the K/V pages
-    instead of y (None is returned)."""
+    ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch (see _attend; one token per row), which
+    writes q and the K/V pages instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
     fused = junction is not _NO_JUNCTION
     with_rope = rope is not _NO_ROPE
-    if with_rope and (rows != 1 or swiglu or len(layers) != 3):
-        raise ValueError("the RoPE epilogue serves the QKV projection of one token")
+    if with_rope and (swiglu or len(layers) != 3 or (rows > 1 and plan.mma_launches is None)):
+        raise ValueError("the RoPE epilogue serves the QKV projection: one row, or the tensor-core kernel's rows")
     y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
     row_bytes, out_bytes = K * x.element_size(), plan.out_features * x.element_size()
 
@@ -240,8 +240,10 @@ def _gemv(
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
-            args = arguments(start, chunk)
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
+            if with_rope:
+                name = name.replace(", false>", ", true>")
+            args = (*arguments(start, chunk), *_rope_rows(rope, start, x.element_size()))
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
@@ -254,6 +256,34 @@ def _gemv(
         shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
+
+
+def _rope_rows(rope: tuple, start: int, element_size: int) -> tuple:
+    """The RoPE-epilogue arguments (see _attend) for the rows from ``start`` on: the per-row pointers (cos, sin, q,
+    block table, positions) advanced by ``start`` rows; the pages and widths stay."""
+    if not start or rope is _NO_ROPE:
+        return rope
+    cos, sin, query, k_pages, v_pages, table, positions = (int(p) for p in rope[:7])
+    max_blocks, heads, _, dim, _ = (int(v) for v in rope[7:])
+    advanced = (cos + start * dim // 2 * 4, sin + start * dim // 2 * 4, query + start * heads * dim * element_size,
+                k_pages, v_pages, table + start * max_blocks * 4, positions + start * 4)  # fmt: skip
+    return (*map(np.uint64, advanced), *rope[7:])
+
+
+def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> bool:
+    """Whether the QKV projection of these decode rows (one new token each) can write RoPE'd q and K/V pages itself:
+    quantized layers, a 16-byte aligned activation, and one row (the CUDA-core GEMV) or up to GEMV_MAX_ROWS rows
+    through the tensor-core kernel, whose 16-row tiles are 8 dim pairs of a head (head_dim % 16 == 0)."""
+    if not all(isinstance(layer, QuantLinear) for layer in layers) or rows.data_ptr() % 16:
+        return False
+    count = rows.shape[0]
+    if count == 1:
+        return True
+    plan = _gemv_plan(layers, False, rows.dtype)
+    return count <= GEMV_MAX_ROWS and plan.mma_launches is not None and dim % 16 == 0 and MMA_ROPE
+
+
+MMA_ROPE = True  # A/B switch: the tensor-core kernel's RoPE epilogue (else the rope_kv_append kernel)
 
 
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -452,14 +482,12 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     batch, steps, _ = x.shape
     rows = x.reshape(batch * steps, -1).contiguous()
     layers = [module.q_proj, module.k_proj, module.v_proj]
-    # One row through the CUDA-core GEMV can take the RoPE epilogue.
-    one_gemv = rows.shape[0] == 1 and all(isinstance(layer, QuantLinear) for layer in layers)
-    one_gemv = one_gemv and rows.data_ptr() % 16 == 0
 
     def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
         return project(rows, layers) if rope is None else _gemv(rows, layers, swiglu=False, rope=rope)
 
-    return _attend(module, qkv_projection, one_gemv, batch, steps, context, slot)
+    return _attend(module, qkv_projection, rope_epilogue_serves(rows, layers, module.head_dim), batch, steps,
+                   context, slot)  # fmt: skip
 
 
 @register_op("junction_attention", CUDA)
@@ -485,16 +513,17 @@ def junction_attention(module: Any, junction: Junction, context: Any, slot: int)
 def _attend(
     module: Any,
     qkv_projection: Callable[[tuple | None], torch.Tensor | None],
-    one_gemv: bool,
+    rope_epilogue: bool,
     batch: int,
     steps: int,
     context: Any,
     slot: int,
 ) -> torch.Tensor:
     """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
-    [batch * steps, (Hq + 2 Hkv) * D]; when ``one_gemv`` (one token, one CUDA-core GEMV launch) and the cache
-    holds 16-bit K/V, ``qkv_projection(rope_arguments)`` instead writes rotated q and the token's K/V pages itself
-    (RoPE epilogue), and the rope_kv_append kernel is skipped."""
+    [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (the projection's launches can take the RoPE epilogue, see
+    rope_epilogue_serves), the step is one token per row and the cache holds 16-bit K/V,
+    ``qkv_projection(rope_arguments)`` instead writes rotated q and the tokens' K/V pages itself, and the
+    rope_kv_append kernel is skipped."""
     config = module.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
     cache = context.cache
@@ -512,7 +541,7 @@ def _attend(
     positions = cache.step_positions if cache is not None else None
     cos, sin = context.cos.contiguous(), context.sin.contiguous()
     layout = 0 if config.rope_layout == "rotate_half" else 1
-    epilogue = one_gemv and steps == 1 and storage is not None and not storage.int8 and dim % 2 == 0
+    epilogue = rope_epilogue and steps == 1 and storage is not None and not storage.int8 and dim % 2 == 0
     if epilogue:
         dtype, device = pages[0].dtype, pages[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)

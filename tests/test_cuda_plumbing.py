@@ -163,6 +163,29 @@ def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, 
     assert gemvs[0][1].endswith(", true>") and ", true, " in gemvs[2][1]  # RoPE epilogue; SwiGLU in gate/up
 
 
+def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
+    """Decode rows through the tensor-core kernel (2+ rows, 16 per launch) write rotated q and K/V pages from the
+    QKV launch's epilogue: no rope_kv_append, and each launch's per-row pointers start at its first row."""
+    model = _model("llama", 4)
+    config = model.config
+    batch, heads, kv_heads, dim = 20, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    cache = PagedTinyLoopCache(config, capacity=64)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (batch, 8)), past_key_values=cache, use_cache=True)
+        launches.clear()
+        model(torch.randint(1, 256, (batch, 1)), past_key_values=cache, use_cache=True)
+    names = [name for _, name, *_ in launches]
+    assert not any(name.startswith("rope_kv_append") for name in names)
+    qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
+    assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
+    first, second = (launch[-12:] for launch in qkv[:2])
+    table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
+    advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
+    # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
+    assert advanced == [16 * angles_row, 16 * angles_row, 16 * heads * dim * 2, 0, 0, 16 * table_row, 16 * 4]
+    assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
+
+
 def test_int8_kv_passes_scales(launches):
     model = _model("llama", 8)
     cache = PagedTinyLoopCache(model.config, kv_dtype="int8")

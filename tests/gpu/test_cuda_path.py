@@ -200,6 +200,31 @@ def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, progra
     assert {key[0] for key in fast._cuda_path.graphs} == {"decode", "prefill"}
 
 
+@pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
+def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, monkeypatch):
+    """Batched decode rows (the tensor-core kernel, 16 rows per launch) with RoPE + KV append in the QKV launch's
+    epilogue give exactly the scores of the rope_kv_append kernel, with left padding (per-row positions)."""
+    from tinyloop_hf.kernels import ops_cuda
+
+    ids = torch.randint(1, 256, (20, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    mask = torch.ones_like(ids)
+    mask[::3, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    names, kernel = [], ops_cuda.kernel
+    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
+    outputs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(ops_cuda, "MMA_ROPE", fused)
+        names.clear()
+        model = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+        outputs[fused] = model.generate(ids, **kwargs)
+        epilogues = sum(name.startswith("gemm_quant_mma") and name.endswith(", true>") for name in names)
+        assert (epilogues > 0) == fused
+    assert torch.equal(outputs[True].sequences, outputs[False].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))
+
+
 @pytest.mark.parametrize("variant", ["ouro", "huginn"])
 def test_prefill_graph_equals_eager(variant):
     _, fast = _pair(variant, QUANTS["int4-g32"])
