@@ -102,3 +102,16 @@ def test_quantized_weight_memory_of_the_benchmark_model(bits, linears, whole):
     assert weight_bytes(model, True) / bf16_linear == pytest.approx(linears, abs=1e-4)  # the embedding is no linear
     assert weight_bytes(model, False) / bf16_total == pytest.approx(whole, abs=1e-4)
     assert bits != 4 or weight_bytes(model, False) / bf16_total <= 0.3
+
+
+def test_ablate_decode_skips_only_the_named_kernels(monkeypatch):
+    from tinyloop_hf.eval.ablate_decode import skip_kernels
+    from tinyloop_hf.kernels import ops_cuda
+
+    launched = []
+    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: name)
+    monkeypatch.setattr(ops_cuda, "launch", lambda fn, *args, **kwargs: launched.append(fn))
+    skip_kernels(["residual_norm", "paged"])
+    for name in ("residual_norm<__nv_bfloat16>", "gemv_quant<4>", "paged_decode<__nv_bfloat16, 0, 1, 8, 128>"):
+        ops_cuda.launch(ops_cuda.kernel("some.cu", name), (1,), (1,), ())
+    assert launched == ["gemv_quant<4>"]
