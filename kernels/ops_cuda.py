@@ -279,8 +279,9 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
     count = rows.shape[0]
     if count == 1:
         return True
-    plan = _gemv_plan(layers, False, rows.dtype)
-    return count <= GEMV_MAX_ROWS and plan.mma_launches is not None and dim % 16 == 0 and MMA_ROPE
+    if not MMA_ROPE or count > GEMV_MAX_ROWS or dim % 16:
+        return False
+    return _gemv_plan(layers, False, rows.dtype).mma_launches is not None
 
 
 MMA_ROPE = True  # A/B switch: the tensor-core kernel's RoPE epilogue (else the rope_kv_append kernel)
@@ -520,7 +521,7 @@ def _attend(
     slot: int,
 ) -> torch.Tensor:
     """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
-    [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (the projection's launches can take the RoPE epilogue, see
+    [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (its launches can take the RoPE epilogue, see
     rope_epilogue_serves), the step is one token per row and the cache holds 16-bit K/V,
     ``qkv_projection(rope_arguments)`` instead writes rotated q and the tokens' K/V pages itself, and the
     rope_kv_append kernel is skipped."""

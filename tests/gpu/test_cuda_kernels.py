@@ -25,6 +25,7 @@ if torch.cuda.is_available():
     from tinyloop_hf.kernels.loader import KernelCompileError, kernel
 
 DTYPES = [torch.float16, torch.bfloat16]
+MMA_WARPS = (8, 16)  # ops_cuda.MMA_WARPS (ops_cuda is imported only with a GPU): warps per tensor-core CTA
 # Relative tolerance of a low-bit GEMV against the fp32 product of the same (dequantized) weights.
 GEMV_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -48,8 +49,9 @@ def _relative_error(actual, expected):
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(96, 256), (100, 576), (40, 224)])
-@pytest.mark.parametrize("mma_warps", ops_cuda.MMA_WARPS)  # warps per CTA of the tensor-core kernel
+@pytest.mark.parametrize("mma_warps", MMA_WARPS)
 def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shape, mma_warps, monkeypatch):
+    assert MMA_WARPS == ops_cuda.MMA_WARPS
     monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
     fmt = QuantFormat(
         bits=bits, group_size=group, symmetric=symmetric, scale_dtype="bfloat16" if bits == 4 else "float16"
@@ -97,7 +99,7 @@ def test_swiglu_kernel_matches_pytorch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mma_warps", ops_cuda.MMA_WARPS)
+@pytest.mark.parametrize("mma_warps", MMA_WARPS)
 def test_fused_qkv_and_swiglu(dtype, mma_warps, monkeypatch):
     monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
     fmt = QuantFormat(bits=4, group_size=64)
