@@ -16,6 +16,7 @@
 // each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together, half of
 // the warps each); the warps split K in 16-word steps per row and reduce through shared memory.
 #include "quant_layout.cuh"
+#include "rope_epilogue.cuh"
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -154,7 +155,7 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
 // are 8 dim pairs of one head, rows g and g + 8 of the tile the two dims RoPE rotates together (p, p + D/2 for
 // rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
-// kernel (same arithmetic: the projection rounded to T, then fp32 without fused multiply-add). Needs D % 16 == 0.
+// kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
 template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
 __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
@@ -266,8 +267,7 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
             }
     // Accumulator c of n-tile nt: weight row g (+ 8 for c >= 2), token 8 nt + 2t + (c & 1).
     if constexpr (ROPE) {
-        const int d0 = row_lo - head * D, d1 = row_hi - head * D, p = layout == 0 ? d0 : d0 / 2, half = D / 2;
-        const bool rotate = column < (Hq + Hkv) * D;  // q or k
+        const int d0 = row_lo - head * D, d1 = row_hi - head * D, p = layout == 0 ? d0 : d0 / 2;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -279,25 +279,11 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
                     a += to_float(bias[row_lo]);
                     c += to_float(bias[row_hi]);
                 }
-                a = to_float(from_float<T>(a));
-                c = to_float(from_float<T>(c));
-                float out0 = a, out1 = c;
-                if (rotate) {
-                    const float cs = rope_cos[token * half + p], sn = rope_sin[token * half + p];
-                    out0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
-                    out1 = __fadd_rn(__fmul_rn(c, cs), __fmul_rn(a, sn));
-                }
-                T* dst;
-                if (column == 0) {
-                    dst = q_out + (static_cast<long long>(token) * Hq + head) * D;
-                } else {
-                    const int pos = positions[token];
-                    const int page = block_table[static_cast<long long>(token) * max_blocks + pos / 16];
-                    const long long page_slot = (static_cast<long long>(page) * Hkv + head) * 16 + pos % 16;
-                    dst = (column == Hq * D ? k_pages : v_pages) + page_slot * D;
-                }
-                dst[d0] = from_float<T>(out0);
-                dst[d1] = from_float<T>(out1);
+                const long long angles = static_cast<long long>(token) * (D / 2);
+                store_rope_pair<T>(a, c, column, head, d0, d1, p, rope_cos + angles, rope_sin + angles,
+                                   q_out + static_cast<long long>(token) * Hq * D, k_pages, v_pages,
+                                   block_table + static_cast<long long>(token) * max_blocks, positions + token, Hq,
+                                   Hkv, D);
             }
         return;
     }

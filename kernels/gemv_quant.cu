@@ -6,6 +6,7 @@
 // (SWIGLU: a second matrix "up" with the same shape; y = silu(gate . x) * (up . x)).
 #include "norm.cuh"
 #include "gemv_dot.cuh"
+#include "rope_epilogue.cuh"
 
 // The loads of one 16-byte chunk (or one tail word) of R rows: weights, INT3's high plane, scales and zeros of
 // the (at most two) groups it spans.
@@ -262,35 +263,15 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
             }
     }
     if (lane != 0) return;
-    if constexpr (ROPE) {
-        // One token: its q / k dims (d0, d1) rotated as rope_kv_append.cu does (fp32, no FMA, from the projection
-        // rounded to T), q into q_out, K / V straight into the token's page slot.
+    if constexpr (ROPE) {  // one token: its q / k dims (d0, d1), q into q_out, K / V straight into its page slot
         const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D;
-        const int p = layout == 0 ? d0 : d0 / 2;
         float a = acc[0][0][0], c = acc[0][1][0];
         if (bias) {
             a += to_float(bias[row0]);
             c += to_float(bias[row0 + row_step]);
         }
-        a = to_float(from_float<T>(a));
-        c = to_float(from_float<T>(c));
-        float out0 = a, out1 = c;
-        if (column < Hq * D + Hkv * D) {  // q or k: rotate
-            const float cs = rope_cos[p], sn = rope_sin[p];
-            out0 = __fsub_rn(__fmul_rn(a, cs), __fmul_rn(c, sn));
-            out1 = __fadd_rn(__fmul_rn(c, cs), __fmul_rn(a, sn));
-        }
-        T* dst;
-        if (column == 0) {
-            dst = q_out + head * D;
-        } else {
-            const int pos = positions[0];
-            const int page = block_table[pos / 16];
-            const long long page_slot = (static_cast<long long>(page) * Hkv + head) * 16 + pos % 16;
-            dst = (column == Hq * D ? k_pages : v_pages) + page_slot * D;
-        }
-        dst[d0] = from_float<T>(out0);
-        dst[d1] = from_float<T>(out1);
+        store_rope_pair<T>(a, c, column, head, d0, d1, layout == 0 ? d0 : d0 / 2, rope_cos, rope_sin, q_out, k_pages,
+                           v_pages, block_table, positions, Hq, Hkv, D);
         return;
     }
 #pragma unroll
