@@ -158,9 +158,14 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _index(device: torch.device | None) -> int:
+    """The CUDA device index of ``device`` (None, or a device without an index: the current one)."""
+    return device.index if device is not None and device.index is not None else torch.cuda.current_device()
+
+
 def multiprocessors(device: torch.device) -> int:
     """The number of SMs of ``device`` (launch shapes that must fill the GPU depend on it)."""
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return _multiprocessors(_index(device))
 
 
 @functools.cache
@@ -177,8 +182,7 @@ def programmatic_launches(device: torch.device | None = None) -> bool:
 
 def sm90_or_newer(device: torch.device | None = None) -> bool:
     """Whether ``device`` (default: the current one) has thread-block clusters and programmatic dependent launch."""
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
+    return _capability(_index(device)) >= (9, 0)
 
 
 @functools.cache

@@ -216,16 +216,16 @@ def _gemv(
     layers: list[QuantLinear],
     swiglu: bool,
     junction: tuple = _NO_JUNCTION,
-    rope: tuple = _NO_ROPE,
+    rope: Callable[[int], tuple] | None = None,
 ) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
     ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
-    ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch (see _attend; one token per row), which
-    writes q and the K/V pages instead of y (None is returned)."""
+    ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch for the rows from a given one on (see _attend;
+    one token per row), which writes q and the K/V pages instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
     fused = junction is not _NO_JUNCTION
-    with_rope = rope is not _NO_ROPE
+    with_rope = rope is not None
     if with_rope and (swiglu or len(layers) != 3 or (rows > 1 and plan.mma_launches is None)):
         raise ValueError("the RoPE epilogue serves the QKV projection: one row, or the tensor-core kernel's rows")
     y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
@@ -243,7 +243,7 @@ def _gemv(
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
             if with_rope:
                 name = name.replace(", false>", ", true>")
-            args = (*arguments(start, chunk), *_rope_rows(rope, start, x.element_size()))
+            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
@@ -251,23 +251,11 @@ def _gemv(
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         if fused and (start or chunk != rows):
             raise ValueError("the junction prologue serves up to 8 rows in one launch")
-        args = (*arguments(start, chunk), *junction, *rope)
+        args = (*arguments(start, chunk), *junction, *(rope(start) if with_rope else _NO_ROPE))
         name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
         shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
-
-
-def _rope_rows(rope: tuple, start: int, element_size: int) -> tuple:
-    """The RoPE-epilogue arguments (see _attend) for the rows from ``start`` on: the per-row pointers (cos, sin, q,
-    block table, positions) advanced by ``start`` rows; the pages and widths stay."""
-    if not start or rope is _NO_ROPE:
-        return rope
-    cos, sin, query, k_pages, v_pages, table, positions = (int(p) for p in rope[:7])
-    max_blocks, heads, _, dim, _ = (int(v) for v in rope[7:])
-    advanced = (cos + start * dim // 2 * 4, sin + start * dim // 2 * 4, query + start * heads * dim * element_size,
-                k_pages, v_pages, table + start * max_blocks * 4, positions + start * 4)  # fmt: skip
-    return (*map(np.uint64, advanced), *rope[7:])
 
 
 def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> bool:
@@ -484,7 +472,7 @@ def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> tor
     rows = x.reshape(batch * steps, -1).contiguous()
     layers = [module.q_proj, module.k_proj, module.v_proj]
 
-    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
+    def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
         return project(rows, layers) if rope is None else _gemv(rows, layers, swiglu=False, rope=rope)
 
     return _attend(module, qkv_projection, rope_epilogue_serves(rows, layers, module.head_dim), batch, steps,
@@ -505,15 +493,15 @@ def junction_attention(module: Any, junction: Junction, context: Any, slot: int)
         return total, self_attention(module, normed, context, slot)
     rows, total, arguments = prologue
 
-    def qkv_projection(rope: tuple | None) -> torch.Tensor | None:
-        return _gemv(rows, layers, swiglu=False, junction=arguments, rope=_NO_ROPE if rope is None else rope)
+    def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
+        return _gemv(rows, layers, swiglu=False, junction=arguments, rope=rope)
 
     return total, _attend(module, qkv_projection, True, batch, steps, context, slot)
 
 
 def _attend(
     module: Any,
-    qkv_projection: Callable[[tuple | None], torch.Tensor | None],
+    qkv_projection: Callable[[Callable[[int], tuple] | None], torch.Tensor | None],
     rope_epilogue: bool,
     batch: int,
     steps: int,
@@ -523,8 +511,8 @@ def _attend(
     """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
     [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (its launches can take the RoPE epilogue, see
     rope_epilogue_serves), the step is one token per row and the cache holds 16-bit K/V,
-    ``qkv_projection(rope_arguments)`` instead writes rotated q and the tokens' K/V pages itself, and the
-    rope_kv_append kernel is skipped."""
+    ``qkv_projection(rope)`` (``rope(start)``: the epilogue's kernel arguments for the rows from ``start`` on)
+    instead writes rotated q and the tokens' K/V pages itself, and the rope_kv_append kernel is skipped."""
     config = module.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
     cache = context.cache
@@ -546,8 +534,14 @@ def _attend(
     if epilogue:
         dtype, device = pages[0].dtype, pages[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
-        rope = (*map(ptr, (cos, sin, query, pages[0], pages[1], table, positions)),
-                *map(i32, (table.shape[1], heads, kv_heads, dim, layout)))  # fmt: skip
+        widths = tuple(map(i32, (table.shape[1], heads, kv_heads, dim, layout)))
+
+        def rope(start: int) -> tuple:
+            """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row
+            tensors (angles, q, block table, positions) from that row, the pages and widths whole."""
+            per_row = [t[start:] if start else t for t in (cos, sin, query, table, positions)]
+            return (*map(ptr, (*per_row[:3], pages[0], pages[1], *per_row[3:])), *widths)
+
         qkv_projection(rope)
         key = value = None
     else:
