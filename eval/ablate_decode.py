@@ -36,9 +36,11 @@ def main() -> None:
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-mma-rope", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
+    parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     args = parser.parse_args()
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.MMA_ROPE = not args.no_mma_rope
+    ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     torch.manual_seed(0)

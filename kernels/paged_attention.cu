@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     float* weights = cta_ml + 2 * V;          // [V][splits]: the global merge's weight per split
     // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
     auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
+    // Lengths, starts and block tables are filled before the step (before a graph's replay), so they and the K/V of
+    // cached tokens are read before pdl_wait; q and the new tokens' K/V come from the kernel before (see below).
     const int length = lengths[b], start = starts[b];  // loaded first: the page numbers wait on them
-    for (int i = threadIdx.x; i < V * D; i += DECODE_THREADS)
-        q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     const int units = splits / CLUSTER, per_unit = CLUSTER * tokens_per_split;
     const int active = min(units, max(1, (length + per_unit - 1) / per_unit)) * CLUSTER;
     if (split >= active) return;  // whole units: no peer of this CTA waits for it
@@ -149,24 +149,40 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
     }
+    // The K and V loads of one step of the token loop (UNROLL tokens per sub; the page numbers of the next step are
+    // loaded behind them). FULL: every token of the step is valid, no bounds tests.
+    Raw8 k_raw[UNROLL], v_raw[UNROLL];
+    auto load_token = [&](int u, int i, int page_number) {
+        const int slot = (page_number * Hkv + kv_head) * PAGE + ((t0 + i) & (PAGE - 1));
+        k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slot, D, offset);
+        v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slot, D, offset);
+    };
+    auto load_step = [&](int base, const bool FULL) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = base + u * subs + sub;
+            if (FULL || i < n) load_token(u, i, page[u]);
+            else k_raw[u] = v_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};  // zeros: p = 0 times v stays 0
+        }
+        if (base + UNROLL * subs < n) pages_of(base + UNROLL * subs);
+    };
+    // The first step's loads are issued before pdl_wait: with programmatic launch (graphs on sm_90+) they run while
+    // the QKV projection before this kernel still does. Only the step's new tokens (positions from length - Q on,
+    // which that kernel writes) are loaded again after the wait (page[] holds the next step's pages by then).
+    load_step(0, false);
+    pdl_wait();
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int i = u * subs + sub;
+        if (i < n && t0 + i >= length - Q) load_token(u, i, table[(t0 + i) / PAGE]);
+    }
+    for (int i = threadIdx.x; i < V * D; i += DECODE_THREADS)
+        q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     __syncthreads();  // q_s
-    // One step of the token loop: UNROLL tokens per sub. FULL: every token of the step is valid and attended (in
+    // The math of a step whose loads are in k_raw / v_raw. FULL: every token of the step is valid and attended (in
     // [start, the first new token's position]), so the step runs without bounds tests or masks.
     // (Called with a constant FULL at two sites: each inlined copy is specialized.)
     auto token_step = [&](int base, const bool FULL) {
-        Raw8 k_raw[UNROLL], v_raw[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = base + u * subs + sub, t = t0 + i;
-            const int slot = (page[u] * Hkv + kv_head) * PAGE + (t & (PAGE - 1));
-            if (FULL || i < n) {
-                k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slot, D, offset);
-                v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slot, D, offset);
-            } else {  // zeros, so that p = 0 times v stays 0
-                k_raw[u] = v_raw[u] = Raw8{make_uint4(0u, 0u, 0u, 0u), 0.0f};
-            }
-        }
-        if (base + UNROLL * subs < n) pages_of(base + UNROLL * subs);
         // Scores (log2 domain); the D/8 threads of a token reduce with shuffles inside their aligned group.
         float s[UNROLL][MAX_GROUP];
 #pragma unroll
@@ -220,7 +236,12 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     };
     for (int base = 0; base < n; base += UNROLL * subs) {
         const int first = t0 + base, end = first + UNROLL * subs;  // the step's tokens: [first, end)
-        if (base + UNROLL * subs <= n && first >= start && end <= length - Q + 1) token_step(base, true);
+        const bool full = base + UNROLL * subs <= n && first >= start && end <= length - Q + 1;
+        if (base > 0) {  // the first step's loads were issued before the wait
+            if (full) load_step(base, true);
+            else load_step(base, false);
+        }
+        if (full) token_step(base, true);
         else token_step(base, false);
     }
 #pragma unroll

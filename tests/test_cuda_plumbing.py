@@ -186,6 +186,32 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
 
 
+@pytest.mark.parametrize("batch", [1, 48])
+def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkeypatch, batch):
+    """Paged decode loads its first K/V before pdl_wait; graphs launch it programmatically where its splits are
+    single CTAs (many rows), and plainly as clusters (few rows: slower programmatically on the H200)."""
+    paged = []
+    record = ops_cuda.launch
+
+    def launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
+        if fn[1].startswith("paged_decode"):
+            paged.append((dependent, cluster, fn[1]))
+        record(fn, grid, block, args, shared_mem, dependent, cluster)
+
+    monkeypatch.setattr(ops_cuda, "launch", launch)
+    model = _model("llama", 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (batch, 8)), past_key_values=cache, use_cache=True)
+        paged.clear()
+        model(torch.randint(1, 256, (batch, 1)), past_key_values=cache, use_cache=True)
+    assert len(paged) == model.config.num_hidden_layers
+    expected_cluster = ops_cuda.DECODE_CLUSTER if batch == 1 else 1
+    assert all(cluster == expected_cluster for _, cluster, _ in paged)
+    assert all(dependent == (cluster == 1) for dependent, cluster, _ in paged)
+    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}>") for *_, name in paged)
+
+
 def test_int8_kv_passes_scales(launches):
     model = _model("llama", 8)
     cache = PagedTinyLoopCache(model.config, kv_dtype="int8")
