@@ -125,6 +125,7 @@ def launch(
 # INT4, batch-1 decode step, each A/B from one device call: 3.12 ms with the junctions as their own kernels against
 # 3.57 ms without programmatic launch (junctions fused into the GEMV prologues, the best choice there) and 3.76 ms for
 # separate junctions without it; with the norm / paged-decode kernels launched programmatically too, 3.39 against 3.11.
+# (Paged decode is programmatic where its splits are single CTAs: see ops_cuda.PAGED_PROGRAMMATIC.)
 PROGRAMMATIC_LAUNCH = True
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
