@@ -200,6 +200,37 @@ def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, progra
     assert {key[0] for key in fast._cuda_path.graphs} == {"decode", "prefill"}
 
 
+@pytest.mark.parametrize("variant", ["ouro", "llama"])
+def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch):
+    """Enough rows that paged decode's splits are single CTAs, which graphs launch programmatically: the cached
+    tokens' K/V are loaded before pdl_wait while the QKV launch still writes q and the new token's K/V (loaded after
+    it). Graph replays give the eager tokens and scores exactly."""
+    from tinyloop_hf.kernels import loader, ops_cuda
+
+    config = _model(variant).config
+    kv_heads, max_cluster = config.num_key_value_heads, ops_cuda.decode_cluster(torch.device("cuda"))
+    batch = ops_cuda._DECODE_CTAS // (kv_heads * max_cluster) + 1  # the smallest batch of single-CTA splits
+    programmatic, launch = [], loader.launch
+
+    def record(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
+        if dependent and len(grid) == 3 and torch.cuda.is_current_stream_capturing():
+            programmatic.append(grid)
+        launch(fn, grid, block, args, shared_mem, dependent, cluster)
+
+    monkeypatch.setattr(ops_cuda, "launch", record)
+    ids = torch.randint(1, 256, (batch, 12), generator=torch.Generator().manual_seed(6)).cuda()
+    kwargs = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
+    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+    want = eager.generate(ids, **kwargs)
+    for _ in range(2):  # the first call captures, the second replays
+        got = fast.generate(ids, **kwargs)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    if loader.programmatic_launches():
+        assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
+
+
 @pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
 def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, monkeypatch):
     """Batched decode rows (the tensor-core kernel, 16 rows per launch) with RoPE + KV append in the QKV launch's
