@@ -540,7 +540,7 @@ def _attend(
         def rope(start: int) -> tuple:
             """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row
             tensors (angles, q, block table, positions) from that row, the pages and widths whole."""
-            per_row = [t[start:] if start else t for t in (cos, sin, query, table, positions)]
+            per_row = [t[start:] for t in (cos, sin, query, table, positions)]
             return (*map(ptr, (*per_row[:3], pages[0], pages[1], *per_row[3:])), *widths)
 
         qkv_projection(rope)
