@@ -4,6 +4,7 @@ with HF semantics, and the reference fixtures' greedy tokens (skipped cleanly wi
 from __future__ import annotations
 
 import gc
+import itertools
 
 import pytest
 import torch
@@ -205,11 +206,17 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
     """Enough rows that paged decode's splits are single CTAs, which graphs launch programmatically: the cached
     tokens' K/V are loaded before pdl_wait while the QKV launch still writes q and the new token's K/V (loaded after
     it). Graph replays give the eager tokens and scores exactly."""
+    from tinyloop_hf.cuda_path import capacity_bucket
     from tinyloop_hf.kernels import loader, ops_cuda
 
     config = _model(variant).config
-    kv_heads, max_cluster = config.num_key_value_heads, ops_cuda.decode_cluster(torch.device("cuda"))
-    batch = ops_cuda._DECODE_CTAS // (kv_heads * max_cluster) + 1  # the smallest batch of single-CTA splits
+    kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
+    max_cluster, capacity = ops_cuda.decode_cluster(torch.device("cuda")), capacity_bucket(12 + 8)
+
+    def cluster(rows: int) -> int:
+        return ops_cuda.decode_partition(rows, kv_heads, heads // kv_heads, config.head_dim, capacity, max_cluster)[2]
+
+    batch = next(rows for rows in itertools.count(1) if cluster(rows) == 1)  # the smallest of single-CTA splits
     programmatic, launch = [], loader.launch
 
     def record(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
