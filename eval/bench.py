@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, help="regression check against this JSON (exit 1 below tolerance)")
     parser.add_argument("--tolerance", type=float, default=0.8)
     parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
+    parser.add_argument("--no-run-ahead", action="store_true", help="greedy decode steps wait for generate()'s host")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tinyloop-bench needs a CUDA GPU", file=sys.stderr)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             base = TinyLoopForCausalLM(ouro_config(loops, max_context)).to(torch.bfloat16).eval()
         bf16_linear, bf16_total = weight_bytes(base, True), weight_bytes(base, False)
         for bits in args.bits:
-            model = build_ours(base, bits).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
+            model = build_ours(base, bits).use_cuda_path(args.kv_cache_dtype, run_ahead=not args.no_run_ahead)
             memory = {
                 "linear_weights_vs_bf16": weight_bytes(model, True) / bf16_linear,
                 "all_weights_vs_bf16": weight_bytes(model, False) / bf16_total,

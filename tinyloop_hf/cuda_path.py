@@ -7,12 +7,21 @@ head — and every later step copies its inputs into the graph's static buffers 
 sequence lengths and cache positions from device memory, which the cache updates before each replay, so nothing
 about the step is frozen except shapes. Everything else generate() does (logits processors, stopping criteria,
 streamers, return types) is untouched: the graph only replaces the forward call.
+
+Run-ahead (greedy generate() only, see ``run_ahead``): transformers synchronizes with the GPU once per token (its
+stopping check) and then spends 0.25-0.7 ms of host time before the next forward (H200, batch 1-16), while the GPU
+would idle. So right after a replay the next step is replayed on a side stream with the tokens greedy decoding will
+pick (the argmax of these logits; the pad token for rows that have finished). The next forward compares what it is
+given with that guess: the same tokens and positions take the step's logits as they are (the step is committed to
+the cache only then), different ones wait for it and run the step again with the real tokens, overwriting its K/V.
+The logits generate() sees are the ones a plain step would give, bit for bit, either way.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +50,21 @@ class _Graph:
 
 
 @dataclass
+class _StepAhead:
+    """A decode step replayed on the side stream before generate() asked for it (not yet committed to the cache)."""
+
+    key: tuple
+    cache: PagedTinyLoopCache
+    guessed: torch.cuda.Event  # the side stream has written the guessed tokens and positions into the graph's inputs
+
+
+# Run-ahead stops for the rest of a generate() call once misses outnumber hits by this much: a miss costs about one
+# step (the guessed step must finish before the real one runs), so a call whose guesses keep failing (a logits
+# processor that changes the argmax) loses at most a few steps.
+RUN_AHEAD_MISS_MARGIN = 2
+
+
+@dataclass
 class _StepGraph:
     """A captured continuation step other than plain decode (a self-speculative draft step or verify)."""
 
@@ -51,7 +75,7 @@ class _StepGraph:
 
 
 class CudaPath:
-    def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool) -> None:
+    def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool, run_ahead: bool = True) -> None:
         from .kernels import ops_cuda  # noqa: F401  (registers the "cuda" ops)
         from .kernels.loader import CudaPathUnavailable, check_device
 
@@ -69,10 +93,18 @@ class CudaPath:
         self.warmed: set[tuple] = set()
         self.use_graphs = cuda_graphs
         self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.device = parameter.device
+        self.run_ahead_enabled = run_ahead  # greedy generate() replays decode steps ahead (see run_ahead)
+        self.side_stream: torch.cuda.Stream | None = None
+        self.ahead: _StepAhead | None = None
+        self.finished_token: tuple[torch.Tensor, torch.Tensor] | None = None  # (pad, ids after which a row is done)
+        self.run_ahead_counts = {"hits": 0, "misses": 0}  # of the current (or last) run_ahead context
+        self._running_ahead = False
 
     # -- caches ------------------------------------------------------------------------------------------------------
 
     def new_cache(self, capacity: int | None) -> PagedTinyLoopCache:
+        self.settle()
         return PagedTinyLoopCache(
             self.model.config,
             capacity=capacity_bucket(capacity or MIN_CAPACITY),
@@ -82,6 +114,7 @@ class CudaPath:
 
     def storage(self, **kwargs: Any) -> PagedStorage:
         """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time)."""
+        self.settle()
         kwargs["capacity"] = capacity_bucket(kwargs["capacity"])
         key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
         if key not in self.storages:
@@ -139,6 +172,10 @@ class CudaPath:
 
     def run(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
         """Logits of the step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and (ahead.key != key or ahead.cache is not cache):
+            self._wait_for_side_stream()
+            ahead = None
         if key not in self.graphs:
             if key not in self.warmed:
                 self.warmed.add(key)
@@ -154,13 +191,94 @@ class CudaPath:
                 f"position {cache.length} is beyond the context of this model "
                 f"(TinyLoopConfig.max_position_embeddings={config.max_position_embeddings})"
             )
-        entry.input_ids.copy_(input_ids)
-        entry.position_ids.copy_(self._positions(input_ids, attention_mask, position_ids, cache))
-        cache.begin_step(input_ids.shape[0], 1, None, entry.output)
+        positions = self._positions(input_ids, attention_mask, position_ids, cache)
+        if ahead is not None and self._guessed_right(ahead, entry, input_ids, positions):
+            self.run_ahead_counts["hits"] += 1
+            cache.step_tokens = 1  # commit the step run ahead (begin_step ran before its replay)
+        else:
+            if ahead is not None:
+                self.run_ahead_counts["misses"] += 1
+            entry.input_ids.copy_(input_ids)
+            entry.position_ids.copy_(positions)
+            cache.begin_step(input_ids.shape[0], 1, None, entry.output)
+            entry.graph.replay()
         cache.mark_all_written(entry.slots)
-        entry.graph.replay()
         cache.end_step()
-        return entry.output.clone()
+        logits = entry.output.clone()
+        if self._running_ahead:
+            self._replay_ahead(key, entry, cache)
+        return logits
+
+    # -- run-ahead: greedy decode steps replayed on a side stream before generate() asks for them ------------------
+
+    @contextmanager
+    def run_ahead(self, pad_token: torch.Tensor | None, eos_tokens: torch.Tensor | None) -> Iterator[None]:
+        """Inside: each replayed decode step is followed by the next one, run on a side stream with the tokens a
+        greedy generate() picks: the argmax of the logits, or ``pad_token`` for rows whose last token was an EOS
+        (or the pad), which transformers fills with the pad from then on. Decoding then overlaps generate()'s own
+        host time. On exit the current stream waits for the side stream; a step run ahead and never asked for
+        only wrote K/V beyond the cache's length."""
+        if not (self.use_graphs and self.run_ahead_enabled):
+            yield
+            return
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
+        finished = None
+        if pad_token is not None:
+            pad = pad_token.reshape(1).to(self.device, torch.long)
+            ends = pad if eos_tokens is None else torch.cat([pad, eos_tokens.reshape(-1).to(self.device, torch.long)])
+            finished = (pad, ends)
+        self.finished_token, self.run_ahead_counts = finished, {"hits": 0, "misses": 0}
+        self._running_ahead = True
+        try:
+            yield
+        finally:
+            self._running_ahead = False
+            self.settle()
+
+    def settle(self) -> None:
+        """Drop a step run ahead (if any) once the current stream is ordered after it: called before anything else
+        touches the caches or graphs."""
+        if self.ahead is not None:
+            self._wait_for_side_stream()
+            self.ahead = None
+
+    def _wait_for_side_stream(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+
+    def _guessed_right(
+        self, ahead: _StepAhead, entry: _Graph, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> bool:
+        """Whether the step run ahead had this step's tokens and positions. Waits for the guess only (not for the
+        step itself); the current stream is ordered after the step either way."""
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(ahead.guessed)
+        same = bool(((entry.input_ids == input_ids) & (entry.position_ids == positions)).all())
+        stream.wait_stream(self.side_stream)
+        counts = self.run_ahead_counts
+        if not same and counts["misses"] + 1 > counts["hits"] + RUN_AHEAD_MISS_MARGIN:
+            self._running_ahead = False  # the guesses keep failing in this call: stop guessing
+        return same
+
+    def _replay_ahead(self, key: tuple, entry: _Graph, cache: PagedTinyLoopCache) -> None:
+        """Replay the next decode step on the side stream with the guessed tokens (see run_ahead)."""
+        if cache.length + 1 > cache.storage.capacity or cache.length >= self.model.config.max_position_embeddings:
+            return
+        side = self.side_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # the logits are copied out, the inputs written
+        with torch.cuda.stream(side):
+            guess = entry.output[:, -1].argmax(-1, keepdim=True)
+            if self.finished_token is not None:
+                pad, ends = self.finished_token
+                guess = torch.where(torch.isin(entry.input_ids, ends), pad, guess)
+            entry.input_ids.copy_(guess)
+            entry.position_ids.add_(1)
+            guessed = torch.cuda.Event()
+            guessed.record(side)
+            cache.begin_step(entry.input_ids.shape[0], 1, None, entry.output)  # the step's device metadata
+            entry.graph.replay()
+        cache.step_tokens = 0  # committed by the next run() if it asks for these tokens
+        self.ahead = _StepAhead(key, cache, guessed)
 
     def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
         steps = input_ids.shape[1]
@@ -266,6 +384,7 @@ class CudaPath:
         take its attention mask as None: the pages know each row's start). Like decode, the first call of a key runs
         eagerly, the second captures, and later calls copy ``inputs`` into the graph's buffers and replay it; the
         cache's device metadata (lengths, positions) is filled before each replay."""
+        self.settle()
         key = (*name, id(cache.storage), cache.storage.capacity)
         if cache.length + inputs["positions"].shape[1] > cache.storage.capacity:
             return step(inputs)  # the storage grows (a graph keeps its buffers): eager, a new key afterwards

@@ -9,6 +9,7 @@ Precedence: ``generate(num_loops=...)`` > ``generate(generation_config=...)`` > 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from .constraints.constrained import (
 from .constraints.grammar import GrammarLogitsProcessor, check_grammar, compile_grammar
 from .speculative import SPECULATION_FIELDS, check_speculation_fields, full_depth, self_speculative_sample
 
+CONSTRAINT_PROCESSORS = (ConstrainedLogitsProcessor, GrammarLogitsProcessor)
 SCHEDULE_FIELDS = ("warmup_tokens", "warmup_loops")  # served by prepare_inputs_for_generation
 # generation_config fields forwarded to forward() (each is an explicit forward parameter).
 LOOP_GENERATION_FIELDS = (
@@ -153,8 +155,16 @@ class TinyLoopGenerationMixin(GenerationMixin):
     ) -> Any:
         """Greedy and sampling decoding; self-speculative when the draft_loops generation field is set."""
         if getattr(generation_config, "draft_loops", None) is None:
-            return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
-                                   synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
+            path = getattr(self, "_cuda_path", None)
+            ahead = nullcontext()
+            constrained = any(isinstance(p, CONSTRAINT_PROCESSORS) for p in logits_processor)
+            # Greedy on the CUDA path; a constraint changes the argmax at most steps, so guessing it would not pay.
+            if path is not None and not generation_config.do_sample and not synced_gpus and not constrained:
+                pad = getattr(generation_config, "_pad_token_tensor", None)
+                ahead = path.run_ahead(pad, getattr(generation_config, "_eos_token_tensor", None))
+            with ahead:
+                return super()._sample(input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
         if synced_gpus:
             raise ValueError("draft_loops does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)")
         return self_speculative_sample(

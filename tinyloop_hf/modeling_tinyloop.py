@@ -289,13 +289,15 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         path = getattr(self, "_cuda_path", None)
         return path.new_cache(capacity) if path is not None else TinyLoopCache(self.config)
 
-    def use_cuda_path(self, kv_cache_dtype: str = "auto", cuda_graphs: bool = True) -> Any:
+    def use_cuda_path(self, kv_cache_dtype: str = "auto", cuda_graphs: bool = True, run_ahead: bool = True) -> Any:
         """Run every op on the CUDA kernels (``kernels/``): low-bit GEMV, fused norms, paged attention with
         ``kv_cache_dtype`` "auto" (model dtype) or "int8", and (``cuda_graphs``) decode steps replayed from CUDA
-        graphs inside ``generate()``. Needs CuPy, an sm_80+ GPU and a float16/bfloat16 model; raises otherwise."""
+        graphs inside ``generate()``; with ``run_ahead``, greedy generate() replays each next step on a side stream
+        while transformers does its per-token host work (same outputs; see ``cuda_path``). Needs CuPy, an sm_80+
+        GPU and a float16/bfloat16 model; raises otherwise."""
         from .cuda_path import CudaPath
 
-        self._share_cuda_path(CudaPath(self, kv_cache_dtype, cuda_graphs))
+        self._share_cuda_path(CudaPath(self, kv_cache_dtype, cuda_graphs, run_ahead))
         self.set_op_backend("cuda")
         return self
 
@@ -698,10 +700,13 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
     ) -> torch.Tensor | None:
         """Logits of a step replayed from a CUDA graph (CUDA path: decode, or a prompt), or None to run it normally."""
         path = getattr(self, "_cuda_path", None)
-        if path is None or arguments.get("use_cache") is False:
+        if path is None:
             return None
-        key = path.graph_key(input_ids, cache, arguments)
-        return None if key is None else path.run(key, input_ids, attention_mask, position_ids, cache)
+        key = None if arguments.get("use_cache") is False else path.graph_key(input_ids, cache, arguments)
+        if key is None:
+            path.settle()  # an eager step: after any step run ahead (see CudaPath.run_ahead)
+            return None
+        return path.run(key, input_ids, attention_mask, position_ids, cache)
 
     def _early_exit(self, criterion: Any, threshold: Any) -> EarlyExit | None:
         """The rule, with the LM head to read next-token distributions from loop states for "kl" (final norm +

@@ -116,6 +116,37 @@ def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant, quant):
     assert torch.equal(output.sequences, want[:, :26])
 
 
+@pytest.mark.parametrize("variant", ["ouro", "llama"])
+def test_run_ahead_gives_the_outputs_of_plain_steps(variant):
+    """Greedy generate() replays each next decode step on a side stream before it is asked for (CudaPath.run_ahead).
+    Sequences and scores equal those of a model without run-ahead: when the guesses hold (a warm second call: every
+    decode step after the first is a hit), when a logits processor changes the argmax (misses: the step runs again),
+    and when rows stop at an EOS (their pad is guessed); the returned cache holds the same tokens."""
+    _, fast = _pair(variant, QUANTS["int4-g32"])
+    plain = _model(variant, QUANTS["int4-g32"]).use_cuda_path(run_ahead=False)
+    ids = IDS.cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_scores=True)  # fmt: skip
+    free = plain.generate(ids, **kwargs).sequences
+    eos = int(free[1, ids.shape[1] + 3])  # row 1 stops after 4 tokens, the others when (if) they produce it
+    path = fast._cuda_path
+    for extra in ({}, {}, {"repetition_penalty": 3.0}, {"eos_token_id": eos}):
+        want, got = plain.generate(ids, **kwargs, **extra), fast.generate(ids, **kwargs, **extra)
+        assert torch.equal(got.sequences, want.sequences)
+        assert len(got.scores) == len(want.scores)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+        assert got.past_key_values.length == want.past_key_values.length == got.sequences.shape[1] - 1
+        counts = path.run_ahead_counts
+        if extra == {} and len(path.graphs) == 2:  # warm: a prefill and a decode graph; 11 decode steps, 10 guessed
+            assert counts["hits"] >= 8 and counts["hits"] + counts["misses"] == 10
+        if "eos_token_id" in extra:
+            assert (got.sequences[1, ids.shape[1] + 4 :] == 0).all()  # row 1 stopped: pads
+            assert counts["hits"] >= 1
+    assert path.ahead is None  # generate() leaves no step in flight
+
+
 def test_no_garbage_collection_runs_inside_a_capture():
     """A dead reference cycle that holds another CUDA graph, collected while a decode step is captured, destroys
     that graph inside the capture, which fails it (seen in this suite). Captures run with automatic collection off,
