@@ -1,0 +1,134 @@
+"""Probe (ninth session): what a persistent decode kernel could save over today's chain of kernels. Streams the bytes
+each kernel of an Ouro-1.4B INT4 decode step reads (per layer: QKV, attention's K/V, O, the junction, gate/up, down,
+the junction; 24 layers x 4 loops, a distinct buffer per layer so nothing stays in L2) either as one launch per phase
+(graph-captured, programmatic like the GEMVs) or as one persistent launch with a grid barrier between phases
+(kernels/persistent_probe.cu). No model, no correctness: only where the time goes.
+
+    python -m tinyloop_hf.eval.persistent_probe --batch 1 16 --ctas-per-sm 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tinyloop_hf.kernels.loader import i32, kernel, launch, multiprocessors, ptr
+
+from .profile_decode import gpu_ms
+
+THREADS = 256  # persistent_probe.cu PROBE_THREADS
+MB = 1 << 20
+
+
+def ouro_phases(batch: int, cached: int = 192) -> list[tuple[str, int, int]]:
+    """(name, bytes, CTAs of today's kernel) for each phase of one decode step, INT4 g128 weights (+ 3 bytes of scale
+    and zero per group), bf16 K/V."""
+    hidden, ffn, heads, dim, layers = 2048, 5632, 16, 128, 24 * 4
+
+    def int4(rows: int, cols: int) -> int:
+        return rows * cols // 2 + rows * (cols // 128) * 3
+
+    kv = batch * heads * cached * dim * 2 * 2
+    junction = (2 * batch + 2) * hidden * 2
+    layer = [
+        ("qkv", int4(3 * hidden, hidden), 768 if batch == 1 else 384),
+        ("attention", kv, heads * 8 if batch == 1 else heads * batch * 3),
+        ("o", int4(hidden, hidden), 256 if batch == 1 else 128),
+        ("junction", junction, batch),
+        ("gate_up", int4(2 * ffn, hidden), 704 if batch == 1 else 352),
+        ("down", int4(hidden, ffn), 256 if batch == 1 else 128),
+        ("junction", junction, batch),
+    ]
+    return layer * layers
+
+
+@dataclass
+class Step:
+    """One decode step's phases laid out in one device buffer."""
+
+    ctas: list[int]  # today's CTA count per phase
+    addresses: list[int]
+    vectors: list[int]  # 16-byte vectors per phase
+    gigabytes: float
+
+
+def lay_out(phases: list[tuple[str, int, int]], device: torch.device) -> tuple[Step, torch.Tensor]:
+    sizes = [-(-size // 16) * 16 for _, size, _ in phases]
+    buffer = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8, device=device)
+    offsets = np.cumsum([0, *sizes[:-1]])
+    step = Step([c for *_, c in phases], [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in sizes],
+                sum(sizes) / 1e9)  # fmt: skip
+    return step, buffer
+
+
+def separate_ms(step: Step, empty: bool, dependent: bool) -> float:
+    """GPU time of one graph replay of the step as one probe_phase launch per phase."""
+    phase_kernel = kernel("persistent_probe.cu", "probe_phase")
+    stride = max(step.ctas)  # one value per CTA of a phase, two phases alternating
+    out = torch.zeros(2 * stride + 1, dtype=torch.int32, device="cuda")
+
+    def run() -> None:
+        previous = out[-1:]
+        for index, (ctas, address, count) in enumerate(zip(step.ctas, step.addresses, step.vectors, strict=True)):
+            target = out[(index % 2) * stride :]
+            launch(phase_kernel, (ctas,), (THREADS,),
+                   (np.uint64(address), np.uint64(0 if empty else count), ptr(previous), ptr(target)),
+                   dependent=dependent)  # fmt: skip
+            previous = target
+
+    run()  # warm-up (and compile)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        run()
+    return gpu_ms(graph.replay, repeats=10)
+
+
+def persistent_ms(step: Step, grid: int, empty: bool) -> float:
+    """GPU time of the step as one probe_chain launch of ``grid`` resident CTAs."""
+    chain_kernel = kernel("persistent_probe.cu", "probe_chain")
+    table = torch.tensor(step.addresses, dtype=torch.int64, device="cuda")
+    counts = torch.tensor([0 if empty else v for v in step.vectors], dtype=torch.int64, device="cuda")
+    out = torch.zeros(len(step.vectors) * grid, dtype=torch.int32, device="cuda")
+    arrived = torch.zeros(1, dtype=torch.int32, device="cuda")
+    args = (ptr(table), ptr(counts), i32(len(step.vectors)), ptr(out), ptr(arrived))
+
+    def run() -> None:
+        arrived.zero_()
+        launch(chain_kernel, (grid,), (THREADS,), args)
+
+    run()
+    torch.cuda.synchronize()
+    return gpu_ms(run, repeats=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    sms = multiprocessors(device)
+    for batch in args.batch:
+        step, buffer = lay_out(ouro_phases(batch), device)
+        rows = [
+            ("kernels, programmatic", separate_ms(step, False, True), False),
+            ("kernels, plain", separate_ms(step, False, False), False),
+            ("empty kernels, programmatic", separate_ms(step, True, True), True),
+        ]
+        for per_sm in args.ctas_per_sm:
+            label = f"persistent, {sms * per_sm} CTAs ({per_sm} per SM)"
+            rows.append((label, persistent_ms(step, sms * per_sm, False), False))
+            rows.append((label + ", barriers only", persistent_ms(step, sms * per_sm, True), True))
+        print(f"\nbatch {batch}: {len(step.vectors)} phases per step, {step.gigabytes:.2f} GB streamed")
+        print("| schedule | ms per step | TB/s |\n|---|---|---|")
+        for label, ms, empty in rows:
+            print(f"| {label} | {ms:.3f} | {'-' if empty else f'{step.gigabytes / ms:.2f}'} |")
+        del buffer
+
+
+if __name__ == "__main__":
+    main()
