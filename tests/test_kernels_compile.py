@@ -34,6 +34,12 @@ def test_hopper_only_code_assembles():
     assert status == 0, log
 
 
+def test_the_persistent_probe_compiles():
+    """eval/persistent_probe.py's kernels (a measurement, not used by the model), through ptxas for sm_90."""
+    status, log = _compile("persistent_probe.cu", ["probe_phase", "probe_chain"], arch="sm_90")
+    assert status == 0, log
+
+
 def test_a_broken_instantiation_fails_with_the_compiler_log():
     status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1, false>"])
     assert status != 0 and "error" in log
