@@ -58,7 +58,7 @@ class _StepAhead:
     guessed: torch.cuda.Event  # the side stream has written the guessed tokens and positions into the graph's inputs
 
 
-# Run-ahead stops for the rest of a generate() call once misses outnumber hits by this much: a miss costs about one
+# Run-ahead stops for the rest of a generate() call once misses exceed hits by more than this: a miss costs about one
 # step (the guessed step must finish before the real one runs), so a call whose guesses keep failing (a logits
 # processor that changes the argmax) loses at most a few steps.
 RUN_AHEAD_MISS_MARGIN = 2
