@@ -164,3 +164,38 @@ def test_per_row_loops_survive_beam_expansion():
     together = model.generate(ids, num_loops=[1, 3], **kwargs)
     assert torch.equal(together[:2], model.generate(ids[:1], num_loops=1, **kwargs))
     assert torch.equal(together[2:], model.generate(ids[1:], num_loops=3, **kwargs))
+
+
+def test_only_greedy_unconstrained_generate_runs_ahead_on_a_cuda_path(tokenizer):
+    """generate() asks the CUDA path to run decode steps ahead (CudaPath.run_ahead) for greedy decoding only, with
+    the pad and EOS tokens transformers resolved; sampling, and a constraint (which changes the argmax), do not.
+    A stand-in path records the calls; every step runs on the reference ops."""
+    from contextlib import contextmanager
+
+    model = tiny_model("ouro", eos_token_id=5, pad_token_id=0)
+    calls, settled = [], []
+
+    class RecordingPath:
+        def new_cache(self, capacity):
+            return TinyLoopCache(model.config)
+
+        def graph_key(self, *args):
+            return None
+
+        def settle(self):
+            settled.append(True)
+
+        @contextmanager
+        def run_ahead(self, pad, eos):
+            calls.append((int(pad), eos.tolist()))
+            yield
+
+    model._cuda_path = RecordingPath()
+    ids = torch.randint(6, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    greedy = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert calls == [(0, [5])] and settled  # eager steps settle any step run ahead first
+    model.generate(ids, max_new_tokens=4, do_sample=True)
+    model.generate(ids[:1], max_new_tokens=4, do_sample=False, tokenizer=tokenizer, regex=r"[a-z]+")
+    assert len(calls) == 1
+    del model._cuda_path
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), greedy)  # the stand-in changed nothing
