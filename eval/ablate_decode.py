@@ -1,10 +1,13 @@
 """What a kernel costs inside the graph-replayed decode step (Ouro-1.4B shape, INT4, L = 4): GPU time of one replay
 with the kernels whose name contains a --skip pattern not launched. The outputs are garbage; only the time counts.
 The difference to the full step is the most that fusing those kernels away could save, with programmatic launch's
-overlap included (which summing eager kernel times misses). One process per configuration: a graph pool cannot be
-reused across captures.
+overlap included (which summing eager kernel times misses). ``--without`` instead keeps every launch and removes
+one kind of work from the low-bit projections' loops (their activation loads, or their dequantize-and-multiply
+math), by patching the kernel sources before they are compiled. One process per configuration: a graph pool cannot
+be reused across captures.
 
     python -m tinyloop_hf.eval.ablate_decode --batch 16 --skip residual_norm
+    python -m tinyloop_hf.eval.ablate_decode --batch 16 --without mma-x mma-math
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import argparse
 import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
-from tinyloop_hf.kernels import ops_cuda
+from tinyloop_hf.kernels import loader, ops_cuda
 
 from .bench import build_ours, ouro_config
 from .profile_decode import gpu_ms
@@ -28,11 +31,62 @@ def skip_kernels(patterns: list[str]) -> None:
     ops_cuda.launch = lambda fn, *args, **kwargs: None if fn is skipped else launch(fn, *args, **kwargs)
 
 
+# The loaded weight words (and x) folded by XOR into one accumulator, so that every load stays live without the math.
+_FOLD_MMA = """{  // ablate_decode --without mma-math
+        unsigned folded = 0u;
+        _Pragma("unroll") for (int j = 0; j < 4; ++j) folded ^= lo.w[j] ^ hi.w[j] ^ lo.scale_bits[0] ^ hi.scale_bits[0];
+        _Pragma("unroll") for (int a = 0; a < NT; ++a) _Pragma("unroll") for (int b = 0; b < XV; ++b)
+            folded ^= xv[a][b].x ^ xv[a][b].y ^ xv[a][b].z ^ xv[a][b].w;
+        SUMS[0][0] += __uint_as_float(folded & 0x007fffffu);
+    }"""
+_FOLD_GEMV = """    if constexpr (BITS != 8) {  // ablate_decode --without gemv-math
+        unsigned folded = word ^ magic_minus ^ __float_as_uint(scale);
+        _Pragma("unroll") for (int m = 0; m < MAXM; ++m)
+            _Pragma("unroll") for (int v = 0; v < XWords<BITS>::count; ++v)
+                folded ^= xv[m][v].x ^ xv[m][v].y ^ xv[m][v].z ^ xv[m][v].w;
+        acc[0] += __uint_as_float(folded & 0x007fffffu);
+        return;
+    }
+"""
+_T2 = "    using T2 = typename Vec2<T>::type;\n"
+# --without NAME: (source file, text, replacement) patches. Each text must occur once in the current source
+# (tests/test_kernels_compile.py checks it and that the patched kernels compile). The CUDA-core GEMV's INT8 path (the LM
+# head) is left as it is.
+WITHOUT: dict[str, list[tuple[str, str, str]]] = {
+    "gemv-x": [("gemv_dot.cuh", "xv[m][v] = reinterpret_cast<const uint4*>(x + m * ldx + col0)[v];",
+                "xv[m][v] = make_uint4(col0, m, v, 0x3c003c00u);")],
+    "gemv-math": [("gemv_dot.cuh", _T2, _T2 + _FOLD_GEMV)],
+    "mma-x": [("gemm_quant_mma.cu", "xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
+               "xv[nt][v] = make_uint4(lane, token, v, first);")],
+    "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, {sums});",
+                  _FOLD_MMA.replace("SUMS", sums)) for sums in ("step", "acc")],
+}  # fmt: skip
+
+
+def patch_sources(names: list[str]) -> None:
+    """Compile the kernels with the WITHOUT patches ``names`` applied (before any kernel is compiled)."""
+    patches = [patch for name in names for patch in WITHOUT[name]]
+    original = loader.source
+
+    def patched(file: str, _seen: set[str] | None = None) -> str:
+        text = original(file, _seen)
+        for target, old, new in patches:
+            if file == target:
+                if text.count(old) != 1:
+                    raise ValueError(f"ablate_decode: the --without patch for {target} no longer matches its source")
+                text = text.replace(old, new)
+        return text
+
+    loader.source = patched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
     parser.add_argument("--skip", nargs="*", default=[], help="substrings of kernel names not to launch")
+    parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
+                        help="work removed from the projections' loops (activation loads, math)")  # fmt: skip
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-mma-rope", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
@@ -43,6 +97,7 @@ def main() -> None:
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
+    patch_sources(args.without)
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
@@ -57,7 +112,8 @@ def main() -> None:
         for _ in range(3):  # eager warm-up, capture, replay
             model(step, past_key_values=cache, use_cache=True)
         replay = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True), repeats=20)
-    print(f"batch {args.batch}, skipped {args.skip or 'nothing'}: {replay:.3f} ms per graph replay")
+    removed = f", without {' '.join(args.without)}" if args.without else ""
+    print(f"batch {args.batch}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,29 @@ def test_the_persistent_probe_compiles():
 def test_a_broken_instantiation_fails_with_the_compiler_log():
     status, log = _compile("gemv_quant.cu", ["gemv_quant<4, float, 1, 2, false, 1, false>"])
     assert status != 0 and "error" in log
+
+
+_ABLATED_KERNELS = {
+    "gemv_quant.cu": ["gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>",
+                      "gemv_quant<4, __half, 8, 4, true, 4, false>"],
+    "gemm_quant_mma.cu": ["gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>",
+                          "gemm_quant_mma<2, __half, 1, true, false, 16, false>"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("removed", ["gemv-x", "gemv-math", "mma-x", "mma-math"])
+def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
+    """eval/ablate_decode.py --without: each patch still matches its kernel's source (once) and changes it, and the
+    patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
+    from tinyloop_hf.eval.ablate_decode import WITHOUT, patch_sources
+    from tinyloop_hf.kernels import loader
+
+    monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
+    file = "gemm_quant_mma.cu" if removed.startswith("mma") else "gemv_quant.cu"
+    assert {target for target, _, _ in WITHOUT[removed]} <= {file, "gemv_dot.cuh"}
+    unpatched = loader.source(file)
+    patch_sources([removed])
+    patched = loader.source(file)
+    assert patched != unpatched and all(new in patched for _, _, new in WITHOUT[removed])
+    status, log = _compile(file, _ABLATED_KERNELS[file])
+    assert status == 0, log
