@@ -172,10 +172,9 @@ class CudaPath:
 
     def run(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
         """Logits of the step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
+        if self.ahead is not None and (self.ahead.key != key or self.ahead.cache is not cache):
+            self.settle()
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and (ahead.key != key or ahead.cache is not cache):
-            self._wait_for_side_stream()
-            ahead = None
         if key not in self.graphs:
             if key not in self.warmed:
                 self.warmed.add(key)
@@ -192,12 +191,12 @@ class CudaPath:
                 f"(TinyLoopConfig.max_position_embeddings={config.max_position_embeddings})"
             )
         positions = self._positions(input_ids, attention_mask, position_ids, cache)
-        if ahead is not None and self._guessed_right(ahead, entry, input_ids, positions):
-            self.run_ahead_counts["hits"] += 1
+        hit = ahead is not None and self._guessed_right(ahead, entry, input_ids, positions)
+        if ahead is not None:
+            self._count_guess(hit)
+        if hit:
             cache.step_tokens = 1  # commit the step run ahead (begin_step ran before its replay)
         else:
-            if ahead is not None:
-                self.run_ahead_counts["misses"] += 1
             entry.input_ids.copy_(input_ids)
             entry.position_ids.copy_(positions)
             cache.begin_step(input_ids.shape[0], 1, None, entry.output)
@@ -240,11 +239,8 @@ class CudaPath:
         """Drop a step run ahead (if any) once the current stream is ordered after it: called before anything else
         touches the caches or graphs."""
         if self.ahead is not None:
-            self._wait_for_side_stream()
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             self.ahead = None
-
-    def _wait_for_side_stream(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
     def _guessed_right(
         self, ahead: _StepAhead, entry: _Graph, input_ids: torch.Tensor, positions: torch.Tensor
@@ -255,10 +251,13 @@ class CudaPath:
         stream.wait_event(ahead.guessed)
         same = bool(((entry.input_ids == input_ids) & (entry.position_ids == positions)).all())
         stream.wait_stream(self.side_stream)
-        counts = self.run_ahead_counts
-        if not same and counts["misses"] + 1 > counts["hits"] + RUN_AHEAD_MISS_MARGIN:
-            self._running_ahead = False  # the guesses keep failing in this call: stop guessing
         return same
+
+    def _count_guess(self, hit: bool) -> None:
+        counts = self.run_ahead_counts
+        counts["hits" if hit else "misses"] += 1
+        if counts["misses"] > counts["hits"] + RUN_AHEAD_MISS_MARGIN:
+            self._running_ahead = False  # the guesses keep failing in this call: stop guessing
 
     def _replay_ahead(self, key: tuple, entry: _Graph, cache: PagedTinyLoopCache) -> None:
         """Replay the next decode step on the side stream with the guessed tokens (see run_ahead)."""
