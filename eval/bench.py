@@ -369,17 +369,20 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def regression_check(rows: list[dict], baseline_path: Path, tolerance: float) -> int:
+    """1 when a tinyloop row decodes below ``tolerance`` x its baseline. The HF peers' rows are compared too but only
+    reported: they measure the machine (HF eager decode is bound by the host's Python speed), not this package."""
     baseline = json.loads(baseline_path.read_text())["rows"]
     key = ("impl", "bits", "loops", "context", "batch")
-    failures = []
+    failures, peer_drift = [], []
     for old in baseline:
         new = next((r for r in rows if all(r[k] == old[k] for k in key)), None)
         if new is not None and new["decode_tok_s"] < tolerance * old["decode_tok_s"]:
-            failures.append(
-                f"{[old[k] for k in key]}: {new['decode_tok_s']:.1f} < {tolerance} x {old['decode_tok_s']:.1f}"
-            )
+            line = f"{[old[k] for k in key]}: {new['decode_tok_s']:.1f} < {tolerance} x {old['decode_tok_s']:.1f}"
+            (failures if old["impl"].startswith("tinyloop") else peer_drift).append(line)
     for line in failures:
         print("REGRESSION", line)
+    for line in peer_drift:
+        print("peer slower than in the baseline (machine state, not a regression):", line)
     print(f"regression check against {baseline_path}: {'FAILED' if failures else 'ok'}")
     return 1 if failures else 0
 
