@@ -8,6 +8,7 @@ be reused across captures.
 
     python -m tinyloop_hf.eval.ablate_decode --batch 16 --skip residual_norm
     python -m tinyloop_hf.eval.ablate_decode --batch 16 --without mma-x mma-math
+    python -m tinyloop_hf.eval.ablate_decode --batch 1 --kv-cache-dtype int8 --no-mma-rope
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--no-mma-rope", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     args = parser.parse_args()
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.MMA_ROPE = not args.no_mma_rope
@@ -101,7 +103,7 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
-    model = build_ours(base, 4).use_cuda_path()
+    model = build_ours(base, 4).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
     del base
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
     with torch.no_grad():
@@ -113,7 +115,8 @@ def main() -> None:
             model(step, past_key_values=cache, use_cache=True)
         replay = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True), repeats=20)
     removed = f", without {' '.join(args.without)}" if args.without else ""
-    print(f"batch {args.batch}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
+    kv = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
+    print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 
 
 if __name__ == "__main__":
