@@ -144,9 +144,9 @@ __device__ __forceinline__ float merge_weight(float m, float top) { return m == 
 template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
-    const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
-    T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
+    const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths,
+    const int* __restrict__ starts, T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int* __restrict__ split_counters, int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
     pdl_trigger();
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
