@@ -265,14 +265,16 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
     if not all(isinstance(layer, QuantLinear) for layer in layers) or rows.data_ptr() % 16:
         return False
     count = rows.shape[0]
+    if not ROPE_EPILOGUE:
+        return False
     if count == 1:
         return True
-    if not MMA_ROPE or count > GEMV_MAX_ROWS or dim % 16:
+    if count > GEMV_MAX_ROWS or dim % 16:
         return False
     return _gemv_plan(layers, False, rows.dtype).mma_launches is not None
 
 
-MMA_ROPE = True  # A/B switch: the tensor-core kernel's RoPE epilogue (else the rope_kv_append kernel)
+ROPE_EPILOGUE = True  # A/B switch: the QKV launch's RoPE + KV-append epilogue (else the rope_kv_append kernel)
 
 
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}

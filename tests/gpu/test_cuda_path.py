@@ -287,7 +287,7 @@ def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, rows, kv_cach
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
     outputs, appends = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(ops_cuda, "MMA_ROPE", fused)
+        monkeypatch.setattr(ops_cuda, "ROPE_EPILOGUE", fused)
         names.clear()
         model = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)
         outputs[fused] = model.generate(ids, **kwargs)
