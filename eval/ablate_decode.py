@@ -89,13 +89,13 @@ def main() -> None:
     parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
                         help="work removed from the projections' loops (activation loads, math)")  # fmt: skip
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
-    parser.add_argument("--no-mma-rope", action="store_true", help="rope_kv_append instead of the QKV epilogue")
+    parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     args = parser.parse_args()
     ops_cuda.MMA_WIDE = not args.no_mma_wide
-    ops_cuda.MMA_ROPE = not args.no_mma_rope
+    ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas

@@ -265,14 +265,16 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
     if not all(isinstance(layer, QuantLinear) for layer in layers) or rows.data_ptr() % 16:
         return False
     count = rows.shape[0]
+    if not ROPE_EPILOGUE:
+        return False
     if count == 1:
         return True
-    if not MMA_ROPE or count > GEMV_MAX_ROWS or dim % 16:
+    if count > GEMV_MAX_ROWS or dim % 16:
         return False
     return _gemv_plan(layers, False, rows.dtype).mma_launches is not None
 
 
-MMA_ROPE = True  # A/B switch: the tensor-core kernel's RoPE epilogue (else the rope_kv_append kernel)
+ROPE_EPILOGUE = True  # A/B switch: the QKV launch's RoPE + KV-append epilogue (else the rope_kv_append kernel)
 
 
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -511,9 +513,10 @@ def _attend(
 ) -> torch.Tensor:
     """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
     [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (its launches can take the RoPE epilogue, see
-    rope_epilogue_serves), the step is one token per row and the cache holds 16-bit K/V,
-    ``qkv_projection(rope)`` (``rope(start)``: the epilogue's kernel arguments for the rows from ``start`` on)
-    instead writes rotated q and the tokens' K/V pages itself, and the rope_kv_append kernel is skipped."""
+    rope_epilogue_serves) and the step is one token per row, ``qkv_projection(rope)`` (``rope(start)``: the
+    epilogue's kernel arguments for the rows from ``start`` on) instead writes rotated q and the tokens' K/V itself,
+    and the rope_kv_append kernel is skipped: into the pages of a 16-bit cache, or into the staging pages of an INT8
+    one, which paged decode quantizes into its pages (PagedStorage.staging)."""
     config = module.config
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
     cache = context.cache
@@ -531,17 +534,19 @@ def _attend(
     positions = cache.step_positions if cache is not None else None
     cos, sin = context.cos.contiguous(), context.sin.contiguous()
     layout = 0 if config.rope_layout == "rotate_half" else 1
-    epilogue = rope_epilogue and steps == 1 and storage is not None and not storage.int8 and dim % 2 == 0
+    epilogue = rope_epilogue and steps == 1 and storage is not None and dim % 2 == 0
+    staged = storage.staging() if epilogue and storage.int8 else None
     if epilogue:
-        dtype, device = pages[0].dtype, pages[0].device
+        targets = staged if staged is not None else (pages[0], pages[1], table)  # K pages, V pages, block table
+        dtype, device = targets[0].dtype, targets[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
-        widths = tuple(map(i32, (table.shape[1], heads, kv_heads, dim, layout)))
+        widths = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout)))
 
         def rope(start: int) -> tuple:
             """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row
             tensors (angles, q, block table, positions) from that row, the pages and widths whole."""
-            per_row = [t[start:] for t in (cos, sin, query, table, positions)]
-            return (*map(ptr, (*per_row[:3], pages[0], pages[1], *per_row[3:])), *widths)
+            per_row = [t[start:] for t in (cos, sin, query, targets[2], positions)]
+            return (*map(ptr, (*per_row[:3], targets[0], targets[1], *per_row[3:])), *widths)
 
         qkv_projection(rope)
         key = value = None
@@ -565,7 +570,7 @@ def _attend(
     # Decode, and short continuations of a cached sequence (e.g. a speculative verify): paged attention in place.
     continuation = cache is not None and cache.length > 0 and steps <= cache.max_continuation_tokens(config)
     if cache is not None and (steps == 1 or (continuation and dim in PAGED_DIMS)):
-        out = paged_decode(query, cache, pages, module.scaling, new_tokens=steps)
+        out = paged_decode(query, cache, pages, module.scaling, new_tokens=steps, staged=staged)
     else:
         q = query.view(batch, steps, heads, dim).transpose(1, 2)
         if cache is None or cache.length == 0:
@@ -623,10 +628,16 @@ PAGED_PROGRAMMATIC = True
 
 
 def paged_decode(
-    query: torch.Tensor, cache: PagedTinyLoopCache, pages: tuple, scaling: float, new_tokens: int = 1
+    query: torch.Tensor,
+    cache: PagedTinyLoopCache,
+    pages: tuple,
+    scaling: float,
+    new_tokens: int = 1,
+    staged: tuple | None = None,
 ) -> torch.Tensor:
     """query [B * Q, Hq, D] (Q = ``new_tokens`` per row, already in the cache; causal among themselves) ->
-    attention output [B * Q, Hq * D]."""
+    attention output [B * Q, Hq * D]. ``staged`` (INT8 cache, Q = 1: PagedStorage.staging()): the new tokens' K/V
+    are in its staging pages, not yet in ``pages``; the kernel quantizes them into ``pages``."""
     storage = cache.storage
     rows, heads, dim = query.shape
     batch = rows // new_tokens
@@ -646,9 +657,12 @@ def paged_decode(
         partial_o = torch.empty(rows * heads * splits * dim, dtype=torch.float32, device=query.device)
         partial_ml = torch.empty(rows * heads * splits * 2, dtype=torch.float32, device=query.device)
     int8 = storage.int8
+    if staged is not None and (not int8 or new_tokens != 1):
+        raise ValueError("staged K/V serve one new token per row of an INT8 cache")
     type_name = cuda_type(query.dtype)
     args = (ptr(query), ptr(pages[0]), ptr(pages[1]), ptr(pages[2] if int8 else None),
-            ptr(pages[3] if int8 else None), ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
+            ptr(pages[3] if int8 else None), *map(ptr, staged[:2] if staged is not None else (None, None)),
+            ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)))  # fmt: skip

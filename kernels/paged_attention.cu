@@ -2,6 +2,9 @@
 // such as a speculative verify, causal among the new tokens) with split-KV and a log-sum-exp merge.
 //
 // Pages: K/V [blocks, Hkv, 16, D] in T, or int8 with fp32 scales [blocks, Hkv, 16] (one per token and KV head).
+// An INT8 decode step (Q = 1) can take its new tokens' K/V in T from staging pages instead (staged_k / staged_v
+// [B, Hkv, 16, D], row b's token at slot position % 16 of page b: where the QKV launch's RoPE epilogue wrote them);
+// the CTA that attends a new token quantizes it into the pages itself, so no rope_kv_append launch is needed.
 // block_table [B, max_blocks] int32; lengths[b] = cached tokens including the new ones; starts[b] = first valid
 // position (left padding before it is never attended). All of these live in device memory, so a captured CUDA
 // graph replays with new lengths. Grid (Hkv, B, splits): a CTA serves every query head of its KV head for every
@@ -67,6 +70,39 @@ __device__ __forceinline__ void raw8_to_float(const Raw8& raw, float (&out)[8]) 
     }
 }
 
+// A new token's K or V (8 elements of one head) from the QKV projection's staging page, quantized as rope_kv_append
+// does (s = max|x| / 127 over the head's D elements, round(x / s)) and written to the int8 pages and scales; returns
+// what load_raw8 would then read. PER_TOKEN: the D/8 threads of the token (an aligned group of lanes, all of which
+// call this together) reduce the maximum.
+template <typename T, int PER_TOKEN>
+__device__ __forceinline__ Raw8 quantize_staged(const T* staged, long long staged_slot, void* pages, float* scales,
+                                                int slot, int D, int offset) {
+    Raw8 raw;
+    raw.bits = *reinterpret_cast<const uint4*>(staged + staged_slot * D + offset);
+    float x[8];
+    raw8_to_float<T, 0>(raw, x);
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned group = PER_TOKEN == 32 ? 0xffffffffu : ((1u << PER_TOKEN) - 1u) << (lane & ~(PER_TOKEN - 1u));
+#pragma unroll
+    for (int width = PER_TOKEN / 2; width > 0; width >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, width));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    unsigned words[2] = {0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int code = __float2int_rn(fminf(fmaxf(x[e] / scale, -127.0f), 127.0f));
+        words[e / 4] |= (static_cast<unsigned>(code) & 0xFFu) << (8 * (e % 4));
+    }
+    *reinterpret_cast<uint2*>(static_cast<signed char*>(pages) + static_cast<long long>(slot) * D + offset) =
+        make_uint2(words[0], words[1]);
+    if (offset == 0) scales[slot] = scale;
+    raw.bits = make_uint4(words[0], words[1], 0u, 0u);
+    raw.scale = scale;
+    return raw;
+}
+
 // Thread-block clusters (sm_90+; CLUSTER = 1 launches never call these): rank, barrier, peer shared memory.
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned rank = 0;
@@ -107,10 +143,10 @@ __device__ __forceinline__ float merge_weight(float m, float top) { return m == 
 // vectors per CTA (G * Q).
 template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
-    const T* __restrict__ q, const void* k_pages, const void* v_pages, const float* k_scale, const float* v_scale,
-    const int* __restrict__ block_table, const int* __restrict__ lengths, const int* __restrict__ starts,
-    T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int* __restrict__ split_counters,
-    int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
+    const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
+    const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths,
+    const int* __restrict__ starts, T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
+    int* __restrict__ split_counters, int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
     pdl_trigger();
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
@@ -157,8 +193,16 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     // The K and V loads of one step of the token loop (UNROLL tokens per sub; the page numbers of the next step are
     // loaded behind them). FULL: every token of the step is valid, no bounds tests.
     Raw8 k_raw[UNROLL], v_raw[UNROLL];
+    bool waited = false;  // set after pdl_wait: from then on the QKV projection's outputs may be read
     auto load_token = [&](int u, int i, int page_number) {
-        const int slot = (page_number * Hkv + kv_head) * PAGE + ((t0 + i) & (PAGE - 1));
+        const int t = t0 + i, slot = (page_number * Hkv + kv_head) * PAGE + (t & (PAGE - 1));
+        if (KV_INT8 && staged_k != nullptr && waited && t >= length - Q) {
+            // A new token of an INT8 cache: the QKV launch's RoPE epilogue left it in T in a staging page per row.
+            const long long staged_slot = (static_cast<long long>(b) * Hkv + kv_head) * PAGE + (t & (PAGE - 1));
+            k_raw[u] = quantize_staged<T, per_token>(staged_k, staged_slot, k_pages, k_scale, slot, D, offset);
+            v_raw[u] = quantize_staged<T, per_token>(staged_v, staged_slot, v_pages, v_scale, slot, D, offset);
+            return;
+        }
         k_raw[u] = load_raw8<T, KV_INT8>(k_pages, k_scale, slot, D, offset);
         v_raw[u] = load_raw8<T, KV_INT8>(v_pages, v_scale, slot, D, offset);
     };
@@ -176,6 +220,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     // which that kernel writes) are loaded again after the wait (page[] holds the next step's pages by then).
     load_step(0, false);
     pdl_wait();
+    waited = true;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int i = u * subs + sub;

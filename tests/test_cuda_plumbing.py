@@ -84,7 +84,7 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
         "residual_norm",
     }
     assert expected <= kernels
-    new_tokens = {int(args[14]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
+    new_tokens = {int(args[16]) for _, name, _, args, _ in launches if name.startswith("paged_decode")}
     assert new_tokens == {1, 3}  # decode, and the 3-token continuation read from the pages
     for file, name, grid, args, shared_mem in launches:
         kernel = name.split("<")[0]
@@ -142,7 +142,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
     assert launches[2][2] == (kv_heads, 1, splits) and splits % cluster == 0  # paged decode grid: whole clusters
     assert names[2].endswith(f", {cluster}, {dim}>")
-    assert int(launches[2][3][11]) == cache.storage.split_counters.data_ptr()
+    assert int(launches[2][3][13]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
 
@@ -221,6 +221,42 @@ def test_int8_kv_passes_scales(launches):
     rope = next(args for _, name, _, args, _ in launches if name.startswith("rope_kv_append"))
     assert int(rope[6]) != 0 and int(rope[7]) != 0 and int(rope[-1]) == 1  # k/v scales, kv_int8 flag
     assert any(name.startswith("paged_decode<__nv_bfloat16, 1, ") for _, name, *_ in launches)
+
+
+@pytest.mark.parametrize("batch", [1, 20])  # the CUDA-core GEMV's RoPE epilogue, the tensor-core kernel's
+def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
+    """With an INT8 cache the QKV launch's RoPE epilogue writes the new K/V (model dtype) into the storage's staging
+    pages through their block table, and paged decode gets the staging pages to quantize from: no rope_kv_append."""
+    model = _model("llama", 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64, kv_dtype="int8")
+    with torch.no_grad():
+        model(torch.randint(1, 256, (batch, 8)), past_key_values=cache, use_cache=True)
+        launches.clear()
+        model(torch.randint(1, 256, (batch, 1)), past_key_values=cache, use_cache=True)
+    staged_k, staged_v, staged_table = cache.storage.staging()
+    assert staged_k.dtype == torch.bfloat16 and staged_k.shape == (batch, 2, 16, model.config.head_dim)
+    assert torch.equal(staged_table, torch.arange(batch, dtype=torch.int32)[:, None].expand_as(staged_table))
+    names = [name for _, name, *_ in launches]
+    assert not any(name.startswith("rope_kv_append") for name in names)
+    qkv = [args for _, name, _, args, _ in launches if name.startswith(("gemv_quant", "gemm_quant_mma"))
+           and name.endswith(", true>")]  # fmt: skip
+    assert qkv and all(int(args[-9]) == staged_k.data_ptr() and int(args[-8]) == staged_v.data_ptr() for args in qkv)
+    assert all(int(args[-7]) == staged_table.data_ptr() for args in qkv[:1])  # the first launch starts at row 0
+    paged = [args for _, name, _, args, _ in launches if name.startswith("paged_decode<__nv_bfloat16, 1, ")]
+    assert len(paged) == model.config.num_hidden_layers
+    assert all((int(args[5]), int(args[6])) == (staged_k.data_ptr(), staged_v.data_ptr()) for args in paged)
+
+
+def test_a_16_bit_decode_step_stages_nothing(launches):
+    model = _model("llama", 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 8)), past_key_values=cache, use_cache=True)
+        model(torch.randint(1, 256, (1, 1)), past_key_values=cache, use_cache=True)
+    paged = [args for _, name, _, args, _ in launches if name.startswith("paged_decode")]
+    assert paged and all(int(args[5]) == int(args[6]) == 0 for args in paged)
+    with pytest.raises(ValueError, match="INT8 storage"):
+        cache.storage.staging()
 
 
 def test_gemv_launches_read_the_layers_current_tensors(launches):

@@ -54,6 +54,7 @@ class PagedStorage:
     int8: bool
     device: torch.device
     pages: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # slot -> (k, v[, k_scale, v_scale])
+    staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # INT8: see staging()
 
     def __post_init__(self) -> None:
         self.blocks_per_row = math.ceil(self.capacity / PAGE_SIZE)
@@ -66,6 +67,11 @@ class PagedStorage:
         self.starts = torch.zeros(self.batch, dtype=torch.int32, device=self.device)
         # Split-KV decode: per (row, KV head), how many splits have finished (the last one merges and resets it).
         self.split_counters = torch.zeros(self.batch * self.kv_heads, dtype=torch.int32, device=self.device)
+        if self.int8:  # made here, not at first use: a first use inside a CUDA-graph capture would execute nothing
+            shape = (self.batch, self.kv_heads, PAGE_SIZE, self.head_dim)
+            rows = torch.arange(self.batch, dtype=torch.int32, device=self.device)
+            table = rows[:, None].expand(self.batch, self.blocks_per_row).contiguous()
+            self.staged = (*(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)), table)
 
     def step_positions(self, new_tokens: int) -> torch.Tensor:
         """The int32 [B * new_tokens] view of the positions buffer a continuation step (decode: 1 token) reads."""
@@ -80,6 +86,15 @@ class PagedStorage:
                 tensors += [torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
             self.pages[index] = tuple(tensors)
         return self.pages[index]
+
+    def staging(self) -> tuple[torch.Tensor, ...]:
+        """INT8 storage: where a decode step's QKV launch leaves the new tokens' K and V in the model dtype for
+        paged decode to quantize into the pages: K and V staging pages [batch, kv_heads, 16, head_dim] (row b's token
+        in page b) and the block table [batch, blocks_per_row] that maps every block of row b to page b. Shared by
+        every slot (each layer's attention consumes them before the next layer's QKV launch writes them)."""
+        if self.staged is None:
+            raise ValueError("staging pages serve INT8 storage; 16-bit pages take the new K/V directly")
+        return self.staged
 
     def bytes_per_token_per_slot(self) -> int:
         return kv_bytes_per_token_per_slot(self.kv_heads, self.head_dim, self.dtype, self.int8)

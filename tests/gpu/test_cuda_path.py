@@ -269,27 +269,33 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
         assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
 @pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
-def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, monkeypatch):
-    """Batched decode rows (the tensor-core kernel, 16 rows per launch) with RoPE + KV append in the QKV launch's
-    epilogue give exactly the scores of the rope_kv_append kernel, with left padding (per-row positions)."""
+def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, rows, kv_cache_dtype, monkeypatch):
+    """Decode rows with RoPE + KV append in the QKV launch's epilogue give exactly the scores of the rope_kv_append
+    kernel, with left padding (per-row positions). INT8 caches: the epilogue stages the new K/V in 16 bits and paged
+    decode quantizes them into the pages, byte for byte as rope_kv_append does."""
     from tinyloop_hf.kernels import ops_cuda
 
-    ids = torch.randint(1, 256, (20, 12), generator=torch.Generator().manual_seed(5)).cuda()
+    ids = torch.randint(1, 256, (rows, 12), generator=torch.Generator().manual_seed(5)).cuda()
     mask = torch.ones_like(ids)
     mask[::3, :4] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)  # fmt: skip
     names, kernel = [], ops_cuda.kernel
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
-    outputs = {}
+    outputs, appends = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(ops_cuda, "MMA_ROPE", fused)
+        monkeypatch.setattr(ops_cuda, "ROPE_EPILOGUE", fused)
         names.clear()
-        model = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+        model = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)
         outputs[fused] = model.generate(ids, **kwargs)
-        epilogues = sum(name.startswith("gemm_quant_mma") and name.endswith(", true>") for name in names)
+        epilogues = sum(name.startswith(("gemm_quant_mma", "gemv_quant")) and name.endswith(", true>")
+                        for name in names)  # fmt: skip
         assert (epilogues > 0) == fused
+        appends[fused] = sum(name.startswith("rope_kv_append") for name in names)
+    assert 0 < appends[True] < appends[False]  # with the epilogue only the prompt runs rope_kv_append
     assert torch.equal(outputs[True].sequences, outputs[False].sequences)
     assert all(torch.equal(a, b) for a, b in zip(outputs[True].scores, outputs[False].scores, strict=True))
 
