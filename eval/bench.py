@@ -34,6 +34,7 @@ import torch
 
 from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
+from tinyloop_hf.cuda_path import capacity_bucket
 
 GROUP_FOR_BITS = {8: None, 4: 128, 2: 64}
 
@@ -256,6 +257,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
 
+    def measured(row: dict[str, Any], kv_bytes: int, model: Any, extra: dict[str, Any]) -> bool:
+        """Measure ``row``'s configuration into it unless its K/V cannot fit on the device. One that does not fit
+        (known before or found during the run) is listed in extras["skipped"] with the reason; the sweep goes on."""
+        total = torch.cuda.get_device_properties(0).total_memory
+        reason = None
+        if kv_bytes > total:
+            reason = f"its K/V cache needs {kv_bytes / 2**30:,.0f} GiB, the device has {total / 2**30:,.0f} GiB"
+        else:
+            try:
+                row.update(measure(model, row["batch"], row["context"], args.new_tokens, extra))
+            except torch.OutOfMemoryError:
+                reason = f"out of device memory (K/V cache {kv_bytes / 2**30:,.0f} GiB)"
+                gc.collect()
+                torch.cuda.empty_cache()
+        if reason is not None:
+            extras.setdefault("skipped", []).append({**row, "reason": reason})
+            print(f"skipped {row}: {reason}", flush=True)
+        return reason is None
+
     for loops in args.loops:
         torch.manual_seed(0)
         with torch.device("cuda"):
@@ -270,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.context:
                 for batch in args.batch:
                     row = {"impl": "tinyloop-cuda", "bits": bits, "loops": loops, "context": context, "batch": batch}
-                    row.update(measure(model, batch, context, args.new_tokens, {}), **memory)
+                    kv = (
+                        batch
+                        * capacity_bucket(context + args.new_tokens)
+                        * kv_bytes_per_token(model.config, loops, args.kv_cache_dtype == "int8")
+                    )
+                    if not measured(row, kv, model, {}):
+                        continue
+                    row.update(memory)
                     record(row)
             del model
             gc.collect()
@@ -279,14 +306,17 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
         for peer in args.peers:
-            hf = build_hf_peer(ouro_config(loops, max_context), loops)
+            hf_config = ouro_config(loops, max_context)
+            hf = build_hf_peer(hf_config, loops)
             # A static cache makes generate() compile the forward itself (transformers' CompileConfig).
             extra: dict[str, Any] = {"cache_implementation": "static"} if peer == "compile" else {}
             for context in args.context:
                 for batch in args.peer_batches if args.peer_batches is not None else args.batch:
                     row = {"impl": f"hf-{peer}", "bits": 16, "loops": loops, "context": context, "batch": batch}
+                    kv = batch * (context + args.new_tokens) * kv_bytes_per_token(hf_config, loops, False)
                     try:
-                        row.update(measure(hf, batch, context, args.new_tokens, extra))
+                        if not measured(row, kv, hf, extra):
+                            continue
                     except Exception as error:  # a failing peer is reported, the sweep goes on
                         print(f"{row['impl']} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
                         continue
@@ -336,6 +366,10 @@ def markdown(rows: list[dict], extras: dict) -> str:
             f"INT4 g128 GEMV {gemv['shape']}: {gemv['int4_us']:.1f} us = {gemv['int4_tb_s']:.2f} TB/s "
             f"({gemv['speedup_vs_cublas_bf16']:.2f}x cuBLAS bf16 at {gemv['cublas_bf16_us']:.1f} us)",
         ]
+    for row in extras.get("skipped", []):
+        weights = "bf16" if row["bits"] == 16 else f"INT{row['bits']}"
+        lines.append(f"Not measured: {row['impl']} {weights} L={row['loops']} context {row['context']} "
+                     f"batch {row['batch']}: {row['reason']}")  # fmt: skip
     for depth, sizes in extras.get("kv_kib_per_token", {}).items():
         lines.append(f"KV cache per token at {depth}: {sizes['bf16']:.0f} KiB bf16, {sizes['int8']:.0f} KiB INT8")
     memory = [row for row in rows if row["impl"] == "tinyloop-cuda" and row["bits"] != 16]

@@ -42,6 +42,16 @@ def test_table_reports_ratios_against_both_peers_and_weight_memory():
     assert "3.10 TB/s" in table and "linear layers 0.280x bf16" in table
 
 
+def test_table_lists_configurations_that_did_not_fit_with_the_reason():
+    skipped = [
+        {"impl": "hf-eager", "bits": 16, "loops": 8, "context": 8192, "batch": 64, "reason": "needs 800 GiB"},
+        {"impl": "tinyloop-cuda", "bits": 2, "loops": 8, "context": 8192, "batch": 16, "reason": "out of"},
+    ]
+    table = markdown(ROWS, {"device": "GPU", "skipped": skipped})
+    assert "Not measured: hf-eager bf16 L=8 context 8192 batch 64: needs 800 GiB" in table
+    assert "Not measured: tinyloop-cuda INT2 L=8 context 8192 batch 16: out of" in table
+
+
 def test_regression_check_fails_below_the_tolerance(tmp_path, capsys):
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps({"rows": ROWS}))
@@ -86,9 +96,14 @@ def test_decode_partition_fills_the_gpu_within_shared_memory(batch, group, dim, 
         assert splits * batch * kv_heads >= 528 or 4 * _decode_shared_floats(group, dim, splits + cluster) > _SMEM_LIMIT
 
 
-def test_capacity_buckets_are_powers_of_two_that_fit():
-    assert capacity_bucket(1) == 128 and capacity_bucket(256) == 256 and capacity_bucket(257) == 512
-    assert all(capacity_bucket(n) >= n for n in range(1, 5000, 37))
+def test_capacity_buckets_fit_with_a_quarter_or_127_tokens_to_spare_at_most():
+    assert capacity_bucket(1) == 128 and capacity_bucket(256) == 256 and capacity_bucket(257) == 384
+    assert capacity_bucket(8192 + 128) == 10240 and capacity_bucket(2048 + 128) == 2560
+    for tokens in range(1, 70000, 37):
+        bucket = capacity_bucket(tokens)
+        assert bucket >= tokens and bucket % 128 == 0  # whole 16-token pages
+        assert bucket < tokens + max(128, tokens / 4)
+        assert capacity_bucket(bucket) == bucket
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -117,3 +117,61 @@ def test_cuda_path_without_a_gpu_fails_clearly():
 
     with pytest.raises(CudaPathUnavailable, match="CUDA device|CuPy"):
         tiny_model("ouro").use_cuda_path()
+
+
+def _cpu_cuda_path(monkeypatch):
+    """A CudaPath over CPU tensors (its storage bookkeeping needs no GPU; graphs are off)."""
+    from tinyloop_hf.cuda_path import CudaPath
+    from tinyloop_hf.kernels import loader
+
+    monkeypatch.setattr(loader, "check_device", lambda device: None)
+    return CudaPath(tiny_model("ouro").to(torch.bfloat16), "auto", cuda_graphs=False)
+
+
+def _storage(path, batch, capacity=100):
+    return path.storage(batch=batch, capacity=capacity, kv_heads=2, head_dim=8, dtype=torch.bfloat16, int8=False,
+                        device=torch.device("cpu"))  # fmt: skip
+
+
+def test_cuda_path_keeps_the_storages_of_the_latest_shapes_with_their_graphs(monkeypatch):
+    from tinyloop_hf.cuda_path import MAX_STORAGES
+
+    path = _cpu_cuda_path(monkeypatch)
+    first = _storage(path, batch=1)
+    assert _storage(path, batch=1, capacity=120) is first  # the same capacity bucket: reused
+    path.graphs[("decode", 1, 4, first.serial, first.capacity)] = "graph of the first storage"
+    path.warmed.add(("decode", 1, 4, first.serial, first.capacity))
+    later = [_storage(path, batch) for batch in range(2, MAX_STORAGES + 1)]
+    assert _storage(path, batch=1) is first  # used again: now the most recent
+    newest = _storage(path, batch=MAX_STORAGES + 1)  # drops the least recently used, batch 2's
+    kept = list(path.storages.values())
+    assert len(kept) == MAX_STORAGES and later[0] not in kept and first in kept and newest in kept
+    assert ("decode", 1, 4, first.serial, first.capacity) in path.graphs
+    for batch in range(MAX_STORAGES + 2, 2 * MAX_STORAGES + 3):
+        _storage(path, batch)
+    assert first not in path.storages.values()
+    assert not path.graphs and not path.warmed  # its graph went with it
+    assert len({storage.serial for storage in [first, *later, newest]}) == MAX_STORAGES + 1
+
+
+def test_pages_that_do_not_fit_drop_the_other_storages_first(monkeypatch):
+    from tinyloop_hf.paged_cache import PagedStorage
+
+    path = _cpu_cuda_path(monkeypatch)
+    old, new = _storage(path, batch=1), _storage(path, batch=2)
+    old.slot(0)
+    new_pages, failures = PagedStorage._new_pages, []
+
+    def fits_once_the_old_storage_is_gone(storage):
+        if any(kept is old for kept in path.storages.values()):
+            failures.append(storage.batch)
+            raise torch.OutOfMemoryError("out of memory")
+        return new_pages(storage)
+
+    monkeypatch.setattr(PagedStorage, "_new_pages", fits_once_the_old_storage_is_gone)
+    pages = new.slot(3)
+    assert failures == [2] and pages[0].shape[0] == 2 * new.blocks_per_row
+    assert list(path.storages.values()) == [new]
+    monkeypatch.setattr(PagedStorage, "_new_pages", lambda storage: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(torch.OutOfMemoryError):  # nothing left to drop: the error is the allocator's
+        new.slot(4)

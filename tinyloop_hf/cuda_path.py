@@ -20,6 +20,7 @@ The logits generate() sees are the ones a plain step would give, bit for bit, ei
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,12 +33,18 @@ from .configuration_tinyloop import is_int
 from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype
 
 MIN_CAPACITY = 128
+MAX_STORAGES = 4  # cache storages (and their graphs) kept for later generate() calls of the same shapes
 PREFILL_BUCKET = 64  # prompt lengths are padded up to a multiple of this inside prefill graphs
 
 
 def capacity_bucket(tokens: int) -> int:
-    """Round a capacity up to a power of two so successive generate() calls share storage and graphs."""
-    return max(MIN_CAPACITY, 1 << (max(tokens, 1) - 1).bit_length())
+    """Round a capacity up to a bucket so successive generate() calls of similar lengths share storage and graphs:
+    a multiple of an eighth of the power of two at or above it, and of MIN_CAPACITY. A bucket reserves fewer than
+    max(MIN_CAPACITY, tokens / 4) tokens more than asked for, where powers of two reserved up to 2x (K/V for 16k
+    tokens behind an 8k-token prompt)."""
+    tokens = max(tokens, MIN_CAPACITY)
+    step = max(MIN_CAPACITY, 1 << max((tokens - 1).bit_length() - 3, 0))
+    return -(-tokens // step) * step
 
 
 @dataclass
@@ -113,13 +120,35 @@ class CudaPath:
         )
 
     def storage(self, **kwargs: Any) -> PagedStorage:
-        """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time)."""
+        """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time). The
+        MAX_STORAGES most recently used shapes keep theirs, with their graphs; when a new one's pages do not fit in
+        device memory, the others are dropped first (``_reclaim``)."""
         self.settle()
         kwargs["capacity"] = capacity_bucket(kwargs["capacity"])
         key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
-        if key not in self.storages:
-            self.storages[key] = PagedStorage(**kwargs)
-        return self.storages[key]
+        storage = self.storages.pop(key, None)
+        if storage is None:
+            while len(self.storages) >= MAX_STORAGES:
+                self._drop_storage(next(iter(self.storages)))  # the least recently used
+            this = weakref.ref(self)  # no reference cycle through the storage
+            storage = PagedStorage(**kwargs, reclaim=lambda: (path := this()) is not None and path._reclaim(key))
+        self.storages[key] = storage  # dicts keep insertion order: the most recently used last
+        return storage
+
+    def _reclaim(self, keep: tuple) -> bool:
+        """Drop every stored storage except ``keep``'s (with their graphs); whether there was one to drop. Their
+        memory returns to PyTorch's allocator unless a cache the caller still holds uses it."""
+        others = [key for key in self.storages if key != keep]
+        for key in others:
+            self._drop_storage(key)
+        return bool(others)
+
+    def _drop_storage(self, key: tuple) -> None:
+        self.settle()
+        serial = self.storages.pop(key).serial
+        for graph_key in [graph_key for graph_key in self.graphs if graph_key[-2] == serial]:
+            del self.graphs[graph_key]
+        self.warmed = {warm for warm in self.warmed if warm[-2] != serial}
 
     # -- CUDA graphs: decode steps, and prompts padded on the right to a bucket -----------------------------------
 
@@ -158,7 +187,7 @@ class CudaPath:
                 return None
             if arguments.get("logits_to_keep") not in (0, 1):
                 return None
-            return ("decode", batch, loops, id(cache.storage), cache.storage.capacity)
+            return ("decode", batch, loops, cache.storage.serial, cache.storage.capacity)
         bucket = -(-steps // PREFILL_BUCKET) * PREFILL_BUCKET
         if cache.length != 0 or arguments.get("logits_to_keep") != 1 or bucket > cache.capacity:
             return None
@@ -168,7 +197,7 @@ class CudaPath:
         if positions is not None and not torch.equal(positions.cpu(), torch.arange(steps).expand(batch, -1)):
             return None
         cache.reserve(batch, bucket, self.model.dtype, input_ids.device)
-        return ("prefill", batch, bucket, loops, id(cache.storage), cache.storage.capacity)
+        return ("prefill", batch, bucket, loops, cache.storage.serial, cache.storage.capacity)
 
     def run(self, key: tuple, input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
         """Logits of the step from the graph of ``key``; None when this step should run eagerly (warm-up)."""
@@ -384,7 +413,7 @@ class CudaPath:
         eagerly, the second captures, and later calls copy ``inputs`` into the graph's buffers and replay it; the
         cache's device metadata (lengths, positions) is filled before each replay."""
         self.settle()
-        key = (*name, id(cache.storage), cache.storage.capacity)
+        key = (*name, cache.storage.serial, cache.storage.capacity)
         if cache.length + inputs["positions"].shape[1] > cache.storage.capacity:
             return step(inputs)  # the storage grows (a graph keeps its buffers): eager, a new key afterwards
         if key not in self.warmed:

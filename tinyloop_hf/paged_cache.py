@@ -14,7 +14,9 @@ makes the layout and the INT8 rounding testable on a CPU; the CUDA path's kernel
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ PAGE_SIZE = 16
 MAX_CONTINUATION_VECTORS = 8  # query vectors (query heads of a KV group x new tokens) of one paged-attention CTA
 STEP_POSITION_SLOTS = 32  # new tokens per row whose cache positions a captured continuation step reads from memory
 KV_DTYPES = ("auto", "int8")
+_STORAGE_SERIALS = itertools.count()
 _LEFT_PADDING_ONLY = (
     "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
     "this attention_mask has zeros after the first one"
@@ -55,6 +58,10 @@ class PagedStorage:
     device: torch.device
     pages: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # slot -> (k, v[, k_scale, v_scale])
     staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # INT8: see staging()
+    # Called when a slot's pages do not fit in device memory; frees what it can and says whether it freed anything
+    # (the CUDA path drops the storages of earlier generate() calls). The allocation is then tried once more.
+    reclaim: Callable[[], bool] | None = field(default=None, repr=False)
+    serial: int = field(default_factory=lambda: next(_STORAGE_SERIALS), init=False)  # unique for the process
 
     def __post_init__(self) -> None:
         self.blocks_per_row = math.ceil(self.capacity / PAGE_SIZE)
@@ -79,13 +86,21 @@ class PagedStorage:
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
         if index not in self.pages:
-            shape = (self.batch * self.blocks_per_row, self.kv_heads, PAGE_SIZE, self.head_dim)
-            dtype = torch.int8 if self.int8 else self.dtype
-            tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
-            if self.int8:
-                tensors += [torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
-            self.pages[index] = tuple(tensors)
+            try:
+                self.pages[index] = self._new_pages()
+            except torch.OutOfMemoryError:
+                if self.reclaim is None or not self.reclaim():
+                    raise
+                self.pages[index] = self._new_pages()
         return self.pages[index]
+
+    def _new_pages(self) -> tuple[torch.Tensor, ...]:
+        shape = (self.batch * self.blocks_per_row, self.kv_heads, PAGE_SIZE, self.head_dim)
+        dtype = torch.int8 if self.int8 else self.dtype
+        tensors = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2)]
+        if self.int8:
+            tensors += [torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2)]
+        return tuple(tensors)
 
     def staging(self) -> tuple[torch.Tensor, ...]:
         """INT8 storage: where a decode step's QKV launch leaves the new tokens' K and V in the model dtype for
