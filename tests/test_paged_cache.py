@@ -172,6 +172,11 @@ def test_pages_that_do_not_fit_drop_the_other_storages_first(monkeypatch):
     pages = new.slot(3)
     assert failures == [2] and pages[0].shape[0] == 2 * new.blocks_per_row
     assert list(path.storages.values()) == [new]
+    path.graphs[("decode", 2, 4, new.serial, new.capacity)] = "graph reading the new storage's pages"
     monkeypatch.setattr(PagedStorage, "_new_pages", lambda storage: (_ for _ in ()).throw(torch.OutOfMemoryError()))
     with pytest.raises(torch.OutOfMemoryError):  # nothing left to drop: the error is the allocator's
         new.slot(4)
+    assert not new.pages and not path.storages and not path.graphs  # the failed storage holds no memory
+    monkeypatch.setattr(PagedStorage, "_new_pages", new_pages)
+    again = _storage(path, batch=2)
+    assert again is not new and again.slot(0)[0].shape[0] == 2 * again.blocks_per_row

@@ -135,12 +135,14 @@ class CudaPath:
         self.storages[key] = storage  # dicts keep insertion order: the most recently used last
         return storage
 
-    def _reclaim(self, keep: tuple) -> bool:
-        """Drop every stored storage except ``keep``'s (with their graphs); whether there was one to drop. Their
-        memory returns to PyTorch's allocator unless a cache the caller still holds uses it."""
-        others = [key for key in self.storages if key != keep]
-        for key in others:
-            self._drop_storage(key)
+    def _reclaim(self, needy: tuple) -> bool:
+        """Pages of ``needy``'s storage do not fit: drop every other stored storage (with their graphs) and say True,
+        or, when there is none, drop ``needy``'s own (the storage then frees its pages) and say False. Dropped memory
+        returns to PyTorch's allocator unless a cache the caller still holds uses it."""
+        others = [key for key in self.storages if key != needy]
+        for key in others or [needy]:
+            if key in self.storages:
+                self._drop_storage(key)
         return bool(others)
 
     def _drop_storage(self, key: tuple) -> None:

@@ -58,8 +58,8 @@ class PagedStorage:
     device: torch.device
     pages: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)  # slot -> (k, v[, k_scale, v_scale])
     staged: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)  # INT8: see staging()
-    # Called when a slot's pages do not fit in device memory; frees what it can and says whether it freed anything
-    # (the CUDA path drops the storages of earlier generate() calls). The allocation is then tried once more.
+    # Called when a slot's pages do not fit in device memory: True when it freed something (the CUDA path drops the
+    # storages of earlier generate() calls) and the allocation is tried again; False when it gave up on this storage.
     reclaim: Callable[[], bool] | None = field(default=None, repr=False)
     serial: int = field(default_factory=lambda: next(_STORAGE_SERIALS), init=False)  # unique for the process
 
@@ -85,13 +85,18 @@ class PagedStorage:
         return self.positions[: self.batch * new_tokens]
 
     def slot(self, index: int) -> tuple[torch.Tensor, ...]:
-        if index not in self.pages:
+        while index not in self.pages:
             try:
                 self.pages[index] = self._new_pages()
             except torch.OutOfMemoryError:
-                if self.reclaim is None or not self.reclaim():
+                if self.reclaim is None:
                     raise
-                self.pages[index] = self._new_pages()
+                if self.reclaim():
+                    continue
+                # The provider gave up on this storage (and dropped the graphs that use it): the forward that needed
+                # the slot fails, which leaves its cache unusable, so its pages go back to the allocator now.
+                self.pages.clear()
+                raise
         return self.pages[index]
 
     def _new_pages(self) -> tuple[torch.Tensor, ...]:
