@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         if kv_bytes > total:
             reason = f"its K/V cache needs {kv_bytes / 2**30:,.0f} GiB, the device has {total / 2**30:,.0f} GiB"
         else:
+            if isinstance(model, TinyLoopForCausalLM):
+                model.release_cuda_caches()  # the peak memory is this configuration's alone
             try:
                 row.update(measure(model, row["batch"], row["context"], args.new_tokens, extra))
             except torch.OutOfMemoryError:

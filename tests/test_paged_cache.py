@@ -121,11 +121,10 @@ def test_cuda_path_without_a_gpu_fails_clearly():
 
 def _cpu_cuda_path(monkeypatch):
     """A CudaPath over CPU tensors (its storage bookkeeping needs no GPU; graphs are off)."""
-    from tinyloop_hf.cuda_path import CudaPath
     from tinyloop_hf.kernels import loader
 
     monkeypatch.setattr(loader, "check_device", lambda device: None)
-    return CudaPath(tiny_model("ouro").to(torch.bfloat16), "auto", cuda_graphs=False)
+    return tiny_model("ouro").to(torch.bfloat16).use_cuda_path(cuda_graphs=False)._cuda_path
 
 
 def _storage(path, batch, capacity=100):
@@ -180,3 +179,22 @@ def test_pages_that_do_not_fit_drop_the_other_storages_first(monkeypatch):
     monkeypatch.setattr(PagedStorage, "_new_pages", new_pages)
     again = _storage(path, batch=2)
     assert again is not new and again.slot(0)[0].shape[0] == 2 * again.blocks_per_row
+
+
+def test_a_new_storage_that_would_not_fit_drops_the_least_recently_used_first(monkeypatch):
+    from tinyloop_hf import cuda_path
+
+    path = _cpu_cuda_path(monkeypatch)
+    kept = [_storage(path, batch) for batch in (1, 2, 3)]
+    shape = dict(batch=4, capacity=128, kv_heads=2, head_dim=8, dtype=torch.bfloat16, int8=False)
+    config = path.model.config
+    slots = config.num_prelude_layers + config.num_coda_layers + config.num_loops * config.num_loop_layers
+    pages = 4 * 128 * slots * 2 * 2 * 8 * 2  # rows x tokens x slots x (K, V) x KV heads x head_dim x bf16
+    width = (config.num_attention_heads + 2 * 2) * 8 + 3 * config.intermediate_size + 4 * config.hidden_size
+    assert path._expected_bytes(shape) == pages + 4 * 128 * width * 2  # and a prompt forward's activations
+    # The device has room for the new storage once two of the three kept ones are gone.
+    monkeypatch.setattr(cuda_path, "free_device_bytes", lambda device: 10**12 if len(path.storages) <= 1 else 0)
+    newest = _storage(path, batch=4)
+    assert list(path.storages.values()) == [kept[2], newest]
+    path.model.release_cuda_caches()
+    assert not path.storages and not path.graphs and not path.warmed

@@ -30,11 +30,19 @@ import torch
 
 from .compat import graph_capturing
 from .configuration_tinyloop import is_int
-from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype
+from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype, kv_bytes_per_token_per_slot
 
 MIN_CAPACITY = 128
 MAX_STORAGES = 4  # cache storages (and their graphs) kept for later generate() calls of the same shapes
 PREFILL_BUCKET = 64  # prompt lengths are padded up to a multiple of this inside prefill graphs
+
+
+def free_device_bytes(device: torch.device) -> float:
+    """Bytes the device has free plus those PyTorch's allocator holds unused; infinite off CUDA devices."""
+    if device.type != "cuda":
+        return float("inf")
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def capacity_bucket(tokens: int) -> int:
@@ -130,10 +138,35 @@ class CudaPath:
         if storage is None:
             while len(self.storages) >= MAX_STORAGES:
                 self._drop_storage(next(iter(self.storages)))  # the least recently used
+            self._make_room(self._expected_bytes(kwargs), kwargs["device"])
             this = weakref.ref(self)  # no reference cycle through the storage
             storage = PagedStorage(**kwargs, reclaim=lambda: (path := this()) is not None and path._reclaim(key))
         self.storages[key] = storage  # dicts keep insertion order: the most recently used last
         return storage
+
+    def _expected_bytes(self, shape: dict[str, Any]) -> int:
+        """Device memory a generate() call on a new storage of ``shape`` will need: its pages at the model's loop
+        count, and a prompt forward's largest activations over all its tokens (QKV, gate/up and SwiGLU outputs, and
+        four hidden-size vectors: residual, normed input, attention and projection outputs)."""
+        config = self.model.config
+        slots = config.num_prelude_layers + config.num_coda_layers + config.num_loops * config.num_loop_layers
+        per_slot = kv_bytes_per_token_per_slot(shape["kv_heads"], shape["head_dim"], shape["dtype"], shape["int8"])
+        qkv = (config.num_attention_heads + 2 * shape["kv_heads"]) * shape["head_dim"]
+        activations = (qkv + 3 * config.intermediate_size + 4 * config.hidden_size) * shape["dtype"].itemsize
+        return shape["batch"] * shape["capacity"] * (slots * per_slot + activations)
+
+    def _make_room(self, needed: int, device: torch.device) -> None:
+        """Drop the least recently used storages (with their graphs) while ``needed`` bytes do not fit in what the
+        device and PyTorch's allocator have free: a storage kept for reuse must not make a larger call fail."""
+        while self.storages and needed > free_device_bytes(device):
+            self._drop_storage(next(iter(self.storages)))
+
+    def release(self) -> None:
+        """Drop every kept storage and every graph (see TinyLoopForCausalLM.release_cuda_caches)."""
+        self.settle()
+        self.storages.clear()
+        self.graphs.clear()
+        self.warmed.clear()
 
     def _reclaim(self, needy: tuple) -> bool:
         """Pages of ``needy``'s storage do not fit: drop every other stored storage (with their graphs) and say True,

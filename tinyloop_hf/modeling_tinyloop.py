@@ -301,6 +301,14 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         self.set_op_backend("cuda")
         return self
 
+    def release_cuda_caches(self) -> None:
+        """Drop the K/V storages and CUDA graphs the CUDA path keeps for later generate() calls of the same shapes;
+        their memory returns to PyTorch's allocator (``torch.cuda.empty_cache()`` hands it to the driver). The path
+        also drops the least recently used ones by itself when a new shape would not fit beside them."""
+        path = getattr(self, "_cuda_path", None)
+        if path is not None:
+            path.release()
+
     def use_reference_path(self) -> Any:
         """Back to the pure-PyTorch reference ops (and unpaged caches)."""
         self.set_op_backend(REFERENCE)
