@@ -129,8 +129,9 @@ class CudaPath:
 
     def storage(self, **kwargs: Any) -> PagedStorage:
         """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time). The
-        MAX_STORAGES most recently used shapes keep theirs, with their graphs; when a new one's pages do not fit in
-        device memory, the others are dropped first (``_reclaim``)."""
+        MAX_STORAGES most recently used shapes keep theirs, with their graphs. A new one first drops the least recently
+        used while it would not fit beside them (``_make_room``), and if its pages still fail to allocate, the rest
+        (``_reclaim``)."""
         self.settle()
         kwargs["capacity"] = capacity_bucket(kwargs["capacity"])
         key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
@@ -179,6 +180,7 @@ class CudaPath:
         return bool(others)
 
     def _drop_storage(self, key: tuple) -> None:
+        """Forget a kept storage and the graphs that read its pages: every graph key ends with (serial, capacity)."""
         self.settle()
         serial = self.storages.pop(key).serial
         for graph_key in [graph_key for graph_key in self.graphs if graph_key[-2] == serial]:
