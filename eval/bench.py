@@ -68,8 +68,9 @@ def quant_config(bits: int) -> TinyLoopQuantConfig:
     return TinyLoopQuantConfig(bits=bits, group_size=GROUP_FOR_BITS[bits], components=components)
 
 
-def build_ours(base: TinyLoopForCausalLM, bits: int) -> TinyLoopForCausalLM:
-    model = copy.deepcopy(base)
+def build_ours(base: TinyLoopForCausalLM, bits: int, device: str = "cuda") -> TinyLoopForCausalLM:
+    """A copy of ``base`` on ``device``, quantized to ``bits`` there (``base`` may stay on the CPU)."""
+    model = copy.deepcopy(base).to(device)
     if bits != 16:
         quantize_model(model, quant_config(bits), progress=False)
     return model.eval()
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(0)
         with torch.device("cuda"):
             base = TinyLoopForCausalLM(ouro_config(loops, max_context)).to(torch.bfloat16).eval()
+        base = base.cpu()  # kept off the GPU: a row's peak memory is its own model's and cache's
         bf16_linear, bf16_total = weight_bytes(base, True), weight_bytes(base, False)
         for bits in args.bits:
             model = build_ours(base, bits).use_cuda_path(args.kv_cache_dtype, run_ahead=not args.no_run_ahead)

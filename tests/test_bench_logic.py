@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from helpers import tiny_model
-from tinyloop_hf import PagedTinyLoopCache, QuantEmbedding, TinyLoopForCausalLM
+from tinyloop_hf import PagedTinyLoopCache, QuantEmbedding, QuantLinear, TinyLoopForCausalLM
 from tinyloop_hf.cuda_path import capacity_bucket
 from tinyloop_hf.eval.bench import (
+    build_ours,
     kv_bytes_per_token,
     markdown,
     ouro_config,
@@ -142,3 +143,13 @@ def test_ablate_decode_skips_only_the_named_kernels(monkeypatch):
     for name in ("residual_norm<__nv_bfloat16>", "gemv_quant<4>", "paged_decode<__nv_bfloat16, 0, 1, 8, 128>"):
         ops_cuda.launch(ops_cuda.kernel("some.cu", name), (1,), (1,), ())
     assert launched == ["gemv_quant<4>"]
+
+
+def test_variants_are_quantized_copies_that_leave_the_base_model_as_it_was():
+    """The bench keeps its bf16 base model on the CPU and builds each variant on the GPU from a copy."""
+    base = tiny_model("ouro", hidden_size=128, intermediate_size=256).to(torch.bfloat16)  # whole 128-column groups
+    before = {name: tensor.clone() for name, tensor in base.state_dict().items()}
+    variant = build_ours(base, 4, device="cpu")
+    assert isinstance(variant.model.loop_layers[0].mlp.down_proj, QuantLinear)
+    assert not any(isinstance(module, QuantLinear) for module in base.modules())
+    assert all(torch.equal(before[name], tensor) for name, tensor in base.state_dict().items())
