@@ -198,3 +198,29 @@ def test_a_new_storage_that_would_not_fit_drops_the_least_recently_used_first(mo
     assert list(path.storages.values()) == [kept[2], newest]
     path.model.release_cuda_caches()
     assert not path.storages and not path.graphs and not path.warmed
+
+
+def test_a_capacity_bucket_that_cannot_fit_gives_way_to_the_capacity_asked_for(monkeypatch):
+    from tinyloop_hf import cuda_path
+
+    path = _cpu_cuda_path(monkeypatch)
+    shape = dict(batch=2, kv_heads=2, head_dim=8, dtype=torch.bfloat16, int8=False)
+    asked, bucket = 2100, cuda_path.capacity_bucket(2100)  # 2,560
+    room = path._expected_bytes({**shape, "capacity": 2112})  # the asked-for tokens in whole 64-token prompt buckets
+    monkeypatch.setattr(cuda_path, "free_device_bytes", lambda device: room)
+    storage = _storage(path, batch=2, capacity=asked)
+    assert storage.capacity == 2112 and bucket == 2560
+    assert _storage(path, batch=2, capacity=asked) is storage  # later calls of the shape share it
+    monkeypatch.setattr(cuda_path, "free_device_bytes", lambda device: float("inf"))
+    assert _storage(path, batch=2, capacity=asked) is storage  # kept while it is kept, even with room now
+    path.release()
+    assert _storage(path, batch=2, capacity=asked).capacity == bucket  # a new one, with room: the bucket
+
+
+def test_a_cuda_path_cache_keeps_the_capacity_asked_for_and_its_storage_the_bucket(monkeypatch):
+    from tinyloop_hf.cuda_path import capacity_bucket
+
+    path = _cpu_cuda_path(monkeypatch)
+    cache = path.new_cache(300)
+    cache.reserve(1, 20, torch.bfloat16, torch.device("cpu"))
+    assert cache.capacity == 300 and cache.storage.capacity == capacity_bucket(300) == 384

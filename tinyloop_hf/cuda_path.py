@@ -122,7 +122,7 @@ class CudaPath:
         self.settle()
         return PagedTinyLoopCache(
             self.model.config,
-            capacity=capacity_bucket(capacity or MIN_CAPACITY),
+            capacity=capacity or MIN_CAPACITY,  # as asked: the storage rounds it up to a bucket (see storage)
             kv_dtype=self.kv_cache_dtype,
             storage_provider=self.storage,
         )
@@ -130,18 +130,25 @@ class CudaPath:
     def storage(self, **kwargs: Any) -> PagedStorage:
         """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time). The
         MAX_STORAGES most recently used shapes keep theirs, with their graphs. A new one first drops the least recently
-        used while it would not fit beside them (``_make_room``), and if its pages still fail to allocate, the rest
-        (``_reclaim``)."""
+        used while it would not fit beside them (``_make_room``); one whose capacity bucket does not fit even alone
+        gets the capacity asked for; and if its pages still fail to allocate, the rest are dropped (``_reclaim``)."""
         self.settle()
-        kwargs["capacity"] = capacity_bucket(kwargs["capacity"])
-        key = tuple(sorted((name, str(value)) for name, value in kwargs.items()))
-        storage = self.storages.pop(key, None)
-        if storage is None:
+        # The capacity bucket, or (where the bucket did not fit) what was asked for in whole prefill buckets: a
+        # prompt graph pads the prompt to one.
+        asked = -(-kwargs["capacity"] // PREFILL_BUCKET) * PREFILL_BUCKET
+        shapes = [{**kwargs, "capacity": capacity} for capacity in (capacity_bucket(asked), asked)]
+        keys = [tuple(sorted((name, str(value)) for name, value in shape.items())) for shape in shapes]
+        key = next((key for key in keys if key in self.storages), None)
+        if key is not None:
+            storage = self.storages.pop(key)
+        else:
             while len(self.storages) >= MAX_STORAGES:
                 self._drop_storage(next(iter(self.storages)))  # the least recently used
-            self._make_room(self._expected_bytes(kwargs), kwargs["device"])
+            self._make_room(self._expected_bytes(shapes[0]), kwargs["device"])
+            fits = self._expected_bytes(shapes[0]) <= free_device_bytes(kwargs["device"])
+            shape, key = (shapes[0], keys[0]) if fits else (shapes[1], keys[1])
             this = weakref.ref(self)  # no reference cycle through the storage
-            storage = PagedStorage(**kwargs, reclaim=lambda: (path := this()) is not None and path._reclaim(key))
+            storage = PagedStorage(**shape, reclaim=lambda: (path := this()) is not None and path._reclaim(key))
         self.storages[key] = storage  # dicts keep insertion order: the most recently used last
         return storage
 
@@ -226,7 +233,7 @@ class CudaPath:
                 return None
             return ("decode", batch, loops, cache.storage.serial, cache.storage.capacity)
         bucket = -(-steps // PREFILL_BUCKET) * PREFILL_BUCKET
-        if cache.length != 0 or arguments.get("logits_to_keep") != 1 or bucket > cache.capacity:
+        if cache.length != 0 or arguments.get("logits_to_keep") != 1 or bucket > capacity_bucket(cache.capacity):
             return None
         mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
         if mask is not None and not bool(mask.all()):
