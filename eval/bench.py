@@ -270,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                 model.release_cuda_caches()  # the peak memory is this configuration's alone
             try:
                 row.update(measure(model, row["batch"], row["context"], args.new_tokens, extra))
-            except torch.OutOfMemoryError:
+            except (torch.OutOfMemoryError, RuntimeError) as error:  # cuBLAS / graph capture report it as text
+                if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
+                    raise
                 reason = f"out of device memory (K/V cache {kv_bytes / 2**30:,.0f} GiB)"
+            if reason is not None:  # outside the handler, whose traceback holds the failed run's tensors
                 gc.collect()
                 torch.cuda.empty_cache()
         if reason is not None:
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(table)
     plot(rows, args.out.with_suffix(".png"))
-    return regression_check(rows, args.baseline, args.tolerance) if args.baseline else 0
+    return regression_check(rows, args.baseline, args.tolerance, extras.get("skipped", [])) if args.baseline else 0
 
 
 def _peer_rate(rows: list[dict], row: dict, impl: str) -> float | None:
@@ -406,13 +409,20 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def regression_check(rows: list[dict], baseline_path: Path, tolerance: float) -> int:
-    """1 when a tinyloop row decodes below ``tolerance`` x its baseline. The HF peers' rows are compared too but only
-    reported: they measure the machine (HF eager decode is bound by the host's Python speed), not this package."""
+def regression_check(rows: list[dict], baseline_path: Path, tolerance: float, skipped: list[dict] = ()) -> int:
+    """1 when a tinyloop row decodes below ``tolerance`` x its baseline, or could not run at all (``skipped``: out of
+    memory). The HF peers' rows are compared too but only reported: they measure the machine (HF eager decode is bound
+    by the host's Python speed), not this package."""
     baseline = json.loads(baseline_path.read_text())["rows"]
     key = ("impl", "bits", "loops", "context", "batch")
     failures, peer_drift = [], []
     for old in baseline:
+        lost = next((r for r in skipped if all(r[k] == old[k] for k in key)), None)
+        if lost is not None:
+            baseline_rate = old["decode_tok_s"]
+            line = f"{[old[k] for k in key]}: not measured ({lost['reason']}); {baseline_rate:.1f} in the baseline"
+            (failures if old["impl"].startswith("tinyloop") else peer_drift).append(line)
+            continue
         new = next((r for r in rows if all(r[k] == old[k] for k in key)), None)
         if new is not None and new["decode_tok_s"] < tolerance * old["decode_tok_s"]:
             line = f"{[old[k] for k in key]}: {new['decode_tok_s']:.1f} < {tolerance} x {old['decode_tok_s']:.1f}"

@@ -75,6 +75,15 @@ def test_regression_check_reports_slower_peers_without_failing(tmp_path, capsys)
     assert out.rstrip().endswith(": ok")
 
 
+def test_regression_check_fails_on_a_tinyloop_row_that_no_longer_fits(tmp_path, capsys):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"rows": ROWS}))
+    ours = {key: ROWS[0][key] for key in ("impl", "bits", "loops", "context", "batch")}
+    assert regression_check(ROWS[1:], baseline, 0.8, [dict(ours, reason="out of device memory")]) == 1
+    assert "REGRESSION ['tinyloop-cuda', 4, 4, 128, 1]: not measured (out of device memory)" in capsys.readouterr().out
+    assert regression_check(ROWS[1:], baseline, 0.8) == 0  # a row not asked for this time is no regression
+
+
 @pytest.mark.parametrize("batch", [1, 16, 64])
 @pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (8, 256), (1, 16)])
 @pytest.mark.parametrize("capacity", [128, 2048, 8192, 16384])

@@ -200,21 +200,40 @@ def test_a_new_storage_that_would_not_fit_drops_the_least_recently_used_first(mo
     assert not path.storages and not path.graphs and not path.warmed
 
 
-def test_a_capacity_bucket_that_cannot_fit_gives_way_to_the_capacity_asked_for(monkeypatch):
+def test_a_capacity_bucket_that_cannot_fit_gives_way_to_a_finer_one(monkeypatch):
     from tinyloop_hf import cuda_path
 
     path = _cpu_cuda_path(monkeypatch)
     shape = dict(batch=2, kv_heads=2, head_dim=8, dtype=torch.bfloat16, int8=False)
     asked, bucket = 2100, cuda_path.capacity_bucket(2100)  # 2,560
-    room = path._expected_bytes({**shape, "capacity": 2112})  # the asked-for tokens in whole 64-token prompt buckets
+    room = path._expected_bytes({**shape, "capacity": 2176})  # 1/32 of 4,096: the finer bucket
     monkeypatch.setattr(cuda_path, "free_device_bytes", lambda device: room)
     storage = _storage(path, batch=2, capacity=asked)
-    assert storage.capacity == 2112 and bucket == 2560
-    assert _storage(path, batch=2, capacity=asked) is storage  # later calls of the shape share it
+    assert storage.capacity == 2176 and bucket == 2560
+    for tokens in (asked, 2049, 2176):  # later calls of the shape share it: one token more or 127
+        assert _storage(path, batch=2, capacity=tokens) is storage
     monkeypatch.setattr(cuda_path, "free_device_bytes", lambda device: float("inf"))
     assert _storage(path, batch=2, capacity=asked) is storage  # kept while it is kept, even with room now
     path.release()
     assert _storage(path, batch=2, capacity=asked).capacity == bucket  # a new one, with room: the bucket
+
+
+def test_a_storage_no_longer_kept_that_runs_out_of_memory_takes_its_graphs_along(monkeypatch):
+    """A cache the caller still holds can outlive its storage's place among the kept ones; when its pages cannot be
+    allocated, the graphs captured on it must go (the storage frees its pages), whatever else is kept."""
+    from tinyloop_hf.paged_cache import PagedStorage
+
+    path = _cpu_cuda_path(monkeypatch)
+    held = _storage(path, batch=1)
+    path.release()  # no longer kept, but still in use
+    path.graphs[("decode", 1, 4, held.serial, held.capacity)] = "graph on the held storage's pages"
+    newer = _storage(path, batch=1)  # the same shape, kept
+    held.slot(0)
+    monkeypatch.setattr(PagedStorage, "_new_pages", lambda storage: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(torch.OutOfMemoryError):
+        held.slot(1)
+    assert newer not in path.storages.values()  # dropped to make room first
+    assert not path.graphs and not held.pages
 
 
 def test_a_cuda_path_cache_keeps_the_capacity_asked_for_and_its_storage_the_bucket(monkeypatch):
@@ -224,3 +243,16 @@ def test_a_cuda_path_cache_keeps_the_capacity_asked_for_and_its_storage_the_buck
     cache = path.new_cache(300)
     cache.reserve(1, 20, torch.bfloat16, torch.device("cpu"))
     assert cache.capacity == 300 and cache.storage.capacity == capacity_bucket(300) == 384
+
+
+def test_a_graph_is_captured_only_once_every_page_it_writes_exists(monkeypatch):
+    path = _cpu_cuda_path(monkeypatch)
+    config = path.model.config
+    cache = path.new_cache(64)
+    cache.reserve(1, 16, torch.bfloat16, torch.device("cpu"))
+    slots = config.num_prelude_layers + config.num_coda_layers + 2 * config.num_loop_layers
+    for slot in range(slots - 1):
+        cache.storage.slot(slot)
+    assert not path._pages_ready(cache, 2)  # an eager step that stopped early left the last slot out
+    cache.storage.slot(slots - 1)
+    assert path._pages_ready(cache, 2) and not path._pages_ready(cache, 3)

@@ -19,6 +19,7 @@ The logits generate() sees are the ones a plain step would give, bit for bit, ei
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,7 +31,13 @@ import torch
 
 from .compat import graph_capturing
 from .configuration_tinyloop import is_int
-from .paged_cache import PagedStorage, PagedTinyLoopCache, check_kv_dtype, kv_bytes_per_token_per_slot
+from .paged_cache import (
+    STORAGE_SERIALS,
+    PagedStorage,
+    PagedTinyLoopCache,
+    check_kv_dtype,
+    kv_bytes_per_token_per_slot,
+)
 
 MIN_CAPACITY = 128
 MAX_STORAGES = 4  # cache storages (and their graphs) kept for later generate() calls of the same shapes
@@ -38,20 +45,27 @@ PREFILL_BUCKET = 64  # prompt lengths are padded up to a multiple of this inside
 
 
 def free_device_bytes(device: torch.device) -> float:
-    """Bytes the device has free plus those PyTorch's allocator holds unused; infinite off CUDA devices."""
+    """Bytes the device has free once PyTorch's allocator has handed back what it caches unused (blocks kept for
+    CUDA graphs' private pools cannot serve other allocations, so they are not counted); infinite off CUDA devices."""
     if device.type != "cuda":
         return float("inf")
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
-def capacity_bucket(tokens: int) -> int:
+def _reclaim_through(path: weakref.ref, serial: int) -> bool:
+    """PagedStorage.reclaim of a storage the CUDA path ``path`` made (False once the path is gone)."""
+    owner = path()
+    return owner is not None and owner._reclaim(serial)
+
+
+def capacity_bucket(tokens: int, fraction_bits: int = 3, minimum: int = MIN_CAPACITY) -> int:
     """Round a capacity up to a bucket so successive generate() calls of similar lengths share storage and graphs:
-    a multiple of an eighth of the power of two at or above it, and of MIN_CAPACITY. A bucket reserves fewer than
-    max(MIN_CAPACITY, tokens / 4) tokens more than asked for, where powers of two reserved up to 2x (K/V for 16k
-    tokens behind an 8k-token prompt)."""
-    tokens = max(tokens, MIN_CAPACITY)
-    step = max(MIN_CAPACITY, 1 << max((tokens - 1).bit_length() - 3, 0))
+    a multiple of 2^-fraction_bits of the power of two at or above it, and of ``minimum``. With the defaults (an
+    eighth) a bucket reserves fewer than max(MIN_CAPACITY, tokens / 4) tokens more than asked for, where powers of
+    two reserved up to 2x (K/V for 16k tokens behind an 8k-token prompt)."""
+    tokens = max(tokens, minimum)
+    step = max(minimum, 1 << max((tokens - 1).bit_length() - fraction_bits, 0))
     return -(-tokens // step) * step
 
 
@@ -133,10 +147,11 @@ class CudaPath:
         used while it would not fit beside them (``_make_room``); one whose capacity bucket does not fit even alone
         gets the capacity asked for; and if its pages still fail to allocate, the rest are dropped (``_reclaim``)."""
         self.settle()
-        # The capacity bucket, or (where the bucket did not fit) what was asked for in whole prefill buckets: a
-        # prompt graph pads the prompt to one.
-        asked = -(-kwargs["capacity"] // PREFILL_BUCKET) * PREFILL_BUCKET
-        shapes = [{**kwargs, "capacity": capacity} for capacity in (capacity_bucket(asked), asked)]
+        # The capacity bucket, or where it did not fit a finer one (1/32 of the power of two, whole prefill buckets:
+        # a prompt graph pads the prompt to one), which a call of one more token or 127 more still shares.
+        asked = kwargs["capacity"]
+        buckets = (capacity_bucket(asked), capacity_bucket(asked, fraction_bits=5, minimum=PREFILL_BUCKET))
+        shapes = [{**kwargs, "capacity": capacity} for capacity in buckets]
         keys = [tuple(sorted((name, str(value)) for name, value in shape.items())) for shape in shapes]
         key = next((key for key in keys if key in self.storages), None)
         if key is not None:
@@ -147,8 +162,9 @@ class CudaPath:
             self._make_room(self._expected_bytes(shapes[0]), kwargs["device"])
             fits = self._expected_bytes(shapes[0]) <= free_device_bytes(kwargs["device"])
             shape, key = (shapes[0], keys[0]) if fits else (shapes[1], keys[1])
-            this = weakref.ref(self)  # no reference cycle through the storage
-            storage = PagedStorage(**shape, reclaim=lambda: (path := this()) is not None and path._reclaim(key))
+            serial = next(STORAGE_SERIALS)  # a weak reference: no cycle through the storage
+            reclaim = functools.partial(_reclaim_through, weakref.ref(self), serial)
+            storage = PagedStorage(**shape, reclaim=reclaim, serial=serial)
         self.storages[key] = storage  # dicts keep insertion order: the most recently used last
         return storage
 
@@ -176,25 +192,38 @@ class CudaPath:
         self.graphs.clear()
         self.warmed.clear()
 
-    def _reclaim(self, needy: tuple) -> bool:
-        """Pages of ``needy``'s storage do not fit: drop every other stored storage (with their graphs) and say True,
-        or, when there is none, drop ``needy``'s own (the storage then frees its pages) and say False. Dropped memory
-        returns to PyTorch's allocator unless a cache the caller still holds uses it."""
-        others = [key for key in self.storages if key != needy]
-        for key in others or [needy]:
-            if key in self.storages:
-                self._drop_storage(key)
+    def _reclaim(self, needy: int) -> bool:
+        """Pages of the storage with serial ``needy`` do not fit: drop every other kept storage (with their graphs)
+        and say True; when there is none, forget that storage itself, kept or not (the storage then frees its pages,
+        so no graph may keep pointing at them), and say False. Dropped memory returns to PyTorch's allocator unless
+        a cache the caller still holds uses it."""
+        others = [key for key, storage in self.storages.items() if storage.serial != needy]
+        for key in others:
+            self._drop_storage(key)
+        if not others:
+            for key in [key for key, storage in self.storages.items() if storage.serial == needy]:
+                del self.storages[key]
+            self._drop_graphs(needy)
         return bool(others)
 
     def _drop_storage(self, key: tuple) -> None:
-        """Forget a kept storage and the graphs that read its pages: every graph key ends with (serial, capacity)."""
+        self._drop_graphs(self.storages.pop(key).serial)
+
+    def _drop_graphs(self, serial: int) -> None:
+        """Forget the graphs that read a storage's pages: every graph key ends with (serial, capacity)."""
         self.settle()
-        serial = self.storages.pop(key).serial
         for graph_key in [graph_key for graph_key in self.graphs if graph_key[-2] == serial]:
             del self.graphs[graph_key]
         self.warmed = {warm for warm in self.warmed if warm[-2] != serial}
 
     # -- CUDA graphs: decode steps, and prompts padded on the right to a bucket -----------------------------------
+
+    def _pages_ready(self, cache: PagedTinyLoopCache, loops: int) -> bool:
+        """Whether the cache's storage has the pages of every slot a step of ``loops`` loops writes (slots are
+        numbered prelude, coda, then loop by loop: see TinyLoopCache)."""
+        config = self.model.config
+        slots = config.num_prelude_layers + config.num_coda_layers + loops * config.num_loop_layers
+        return all(slot in cache.storage.pages for slot in range(slots))
 
     def graph_key(self, input_ids: Any, cache: Any, arguments: dict[str, Any]) -> tuple | None:
         """The key of a step a graph can serve, or None (the step then runs eagerly, on the same kernels).
@@ -249,7 +278,10 @@ class CudaPath:
             self.settle()
         ahead, self.ahead = self.ahead, None
         if key not in self.graphs:
-            if key not in self.warmed:
+            # Capture after an eager step of the key, and only once that step has allocated every page the graph
+            # writes: an allocation inside a capture would come from the graph's pool, zeroed at every replay (an
+            # eager step that failed, say out of memory, can leave some unallocated).
+            if key not in self.warmed or not self._pages_ready(cache, key[2] if key[0] == "decode" else key[3]):
                 self.warmed.add(key)
                 return None
             capture = self._capture_decode if key[0] == "decode" else self._capture_prefill

@@ -30,7 +30,7 @@ PAGE_SIZE = 16
 MAX_CONTINUATION_VECTORS = 8  # query vectors (query heads of a KV group x new tokens) of one paged-attention CTA
 STEP_POSITION_SLOTS = 32  # new tokens per row whose cache positions a captured continuation step reads from memory
 KV_DTYPES = ("auto", "int8")
-_STORAGE_SERIALS = itertools.count()
+STORAGE_SERIALS = itertools.count()  # PagedStorage.serial
 _LEFT_PADDING_ONLY = (
     "a paged TinyLoopCache supports left padding only (attention_mask rows of zeros then ones); "
     "this attention_mask has zeros after the first one"
@@ -61,7 +61,7 @@ class PagedStorage:
     # Called when a slot's pages do not fit in device memory: True when it freed something (the CUDA path drops the
     # storages of earlier generate() calls) and the allocation is tried again; False when it gave up on this storage.
     reclaim: Callable[[], bool] | None = field(default=None, repr=False)
-    serial: int = field(default_factory=lambda: next(_STORAGE_SERIALS), init=False)  # unique for the process
+    serial: int = field(default_factory=lambda: next(STORAGE_SERIALS))  # unique in the process (graph keys use it)
 
     def __post_init__(self) -> None:
         self.blocks_per_row = math.ceil(self.capacity / PAGE_SIZE)
