@@ -145,7 +145,7 @@ class CudaPath:
         """Storage for a generate() cache, reused by later calls of the same shape (one generation at a time). The
         MAX_STORAGES most recently used shapes keep theirs, with their graphs. A new one first drops the least recently
         used while it would not fit beside them (``_make_room``); one whose capacity bucket does not fit even alone
-        gets the capacity asked for; and if its pages still fail to allocate, the rest are dropped (``_reclaim``)."""
+        gets a finer bucket; and if its pages still fail to allocate, the rest are dropped (``_reclaim``)."""
         self.settle()
         # The capacity bucket, or where it did not fit a finer one (1/32 of the power of two, whole prefill buckets:
         # a prompt graph pads the prompt to one), which a call of one more token or 127 more still shares.
@@ -162,8 +162,8 @@ class CudaPath:
             self._make_room(self._expected_bytes(shapes[0]), kwargs["device"])
             fits = self._expected_bytes(shapes[0]) <= free_device_bytes(kwargs["device"])
             shape, key = (shapes[0], keys[0]) if fits else (shapes[1], keys[1])
-            serial = next(STORAGE_SERIALS)  # a weak reference: no cycle through the storage
-            reclaim = functools.partial(_reclaim_through, weakref.ref(self), serial)
+            serial = next(STORAGE_SERIALS)
+            reclaim = functools.partial(_reclaim_through, weakref.ref(self), serial)  # weak: no cycle through it
             storage = PagedStorage(**shape, reclaim=reclaim, serial=serial)
         self.storages[key] = storage  # dicts keep insertion order: the most recently used last
         return storage
