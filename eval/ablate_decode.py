@@ -8,7 +8,7 @@ be reused across captures.
 
     python -m tinyloop_hf.eval.ablate_decode --batch 16 --skip residual_norm
     python -m tinyloop_hf.eval.ablate_decode --batch 16 --without mma-x mma-math
-    python -m tinyloop_hf.eval.ablate_decode --batch 1 --kv-cache-dtype int8 --no-mma-rope
+    python -m tinyloop_hf.eval.ablate_decode --batch 1 --kv-cache-dtype int8 --no-rope-epilogue
 """
 
 from __future__ import annotations

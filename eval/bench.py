@@ -202,8 +202,9 @@ def kv_bytes_per_token(config: TinyLoopConfig, loops: int, int8: bool) -> int:
     reports once every slot is written): one slot per prelude/coda layer and per (loop, loop-block layer)."""
     from tinyloop_hf.paged_cache import kv_bytes_per_token_per_slot
 
-    slots = config.num_prelude_layers + config.num_coda_layers + loops * config.num_loop_layers
-    return slots * kv_bytes_per_token_per_slot(config.num_key_value_heads, config.head_dim, torch.bfloat16, int8)
+    return config.kv_slots(loops) * kv_bytes_per_token_per_slot(
+        config.num_key_value_heads, config.head_dim, torch.bfloat16, int8
+    )
 
 
 def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:

@@ -155,6 +155,11 @@ class TinyLoopConfig(PreTrainedConfig):
         """Unique layers (what other code such as lm-eval reads); the loop block counts once."""
         return self.num_prelude_layers + self.num_loop_layers + self.num_coda_layers
 
+    def kv_slots(self, loops: int) -> int:
+        """K/V slots a forward of ``loops`` loops writes: one per prelude / coda layer and per (loop, loop-block
+        layer), numbered in that order (TinyLoopCache.slot_index)."""
+        return self.num_prelude_layers + self.num_coda_layers + loops * self.num_loop_layers
+
     def to_dict(self) -> dict[str, Any]:
         output = super().to_dict()
         output["num_hidden_layers"] = self.num_hidden_layers

@@ -159,8 +159,7 @@ class CudaPath:
         else:
             while len(self.storages) >= MAX_STORAGES:
                 self._drop_storage(next(iter(self.storages)))  # the least recently used
-            self._make_room(self._expected_bytes(shapes[0]), kwargs["device"])
-            fits = self._expected_bytes(shapes[0]) <= free_device_bytes(kwargs["device"])
+            fits = self._make_room(self._expected_bytes(shapes[0]), kwargs["device"])
             shape, key = (shapes[0], keys[0]) if fits else (shapes[1], keys[1])
             serial = next(STORAGE_SERIALS)
             reclaim = functools.partial(_reclaim_through, weakref.ref(self), serial)  # weak: no cycle through it
@@ -173,17 +172,20 @@ class CudaPath:
         count, and a prompt forward's largest activations over all its tokens (QKV, gate/up and SwiGLU outputs, and
         four hidden-size vectors: residual, normed input, attention and projection outputs)."""
         config = self.model.config
-        slots = config.num_prelude_layers + config.num_coda_layers + config.num_loops * config.num_loop_layers
+        slots = config.kv_slots(config.num_loops)
         per_slot = kv_bytes_per_token_per_slot(shape["kv_heads"], shape["head_dim"], shape["dtype"], shape["int8"])
         qkv = (config.num_attention_heads + 2 * shape["kv_heads"]) * shape["head_dim"]
         activations = (qkv + 3 * config.intermediate_size + 4 * config.hidden_size) * shape["dtype"].itemsize
         return shape["batch"] * shape["capacity"] * (slots * per_slot + activations)
 
-    def _make_room(self, needed: int, device: torch.device) -> None:
+    def _make_room(self, needed: int, device: torch.device) -> bool:
         """Drop the least recently used storages (with their graphs) while ``needed`` bytes do not fit in what the
-        device and PyTorch's allocator have free: a storage kept for reuse must not make a larger call fail."""
-        while self.storages and needed > free_device_bytes(device):
+        device has free (a storage kept for reuse must not make a larger call fail); whether they fit then."""
+        while needed > free_device_bytes(device):
+            if not self.storages:
+                return False
             self._drop_storage(next(iter(self.storages)))
+        return True
 
     def release(self) -> None:
         """Drop every kept storage and every graph (see TinyLoopForCausalLM.release_cuda_caches)."""
@@ -221,9 +223,7 @@ class CudaPath:
     def _pages_ready(self, cache: PagedTinyLoopCache, loops: int) -> bool:
         """Whether the cache's storage has the pages of every slot a step of ``loops`` loops writes (slots are
         numbered prelude, coda, then loop by loop: see TinyLoopCache)."""
-        config = self.model.config
-        slots = config.num_prelude_layers + config.num_coda_layers + loops * config.num_loop_layers
-        return all(slot in cache.storage.pages for slot in range(slots))
+        return all(slot in cache.storage.pages for slot in range(self.model.config.kv_slots(loops)))
 
     def graph_key(self, input_ids: Any, cache: Any, arguments: dict[str, Any]) -> tuple | None:
         """The key of a step a graph can serve, or None (the step then runs eagerly, on the same kernels).
