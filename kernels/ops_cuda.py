@@ -499,7 +499,8 @@ def junction_attention(module: Any, junction: Junction, context: Any, slot: int)
     def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
         return _gemv(rows, layers, swiglu=False, junction=arguments, rope=rope)
 
-    return total, _attend(module, qkv_projection, True, batch, steps, context, slot)
+    epilogue = rope_epilogue_serves(rows, layers, module.head_dim)  # ROPE_EPILOGUE off: rope_kv_append
+    return total, _attend(module, qkv_projection, epilogue, batch, steps, context, slot)
 
 
 def _attend(

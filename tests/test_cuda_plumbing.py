@@ -147,6 +147,18 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
 
 
+def test_rope_epilogue_switch_holds_with_the_junction_prologue(launches, monkeypatch):
+    """ROPE_EPILOGUE off: every QKV launch writes y and rope_kv_append rotates, the launches with the junction in
+    their prologue (one row, without programmatic launches) included."""
+    monkeypatch.setattr(ops_cuda, "ROPE_EPILOGUE", False)
+    model, _ = _ouro_decode_step(launches)
+    names = [name for _, name, *_ in launches]
+    qkv = [launch for launch in launches if launch[1].startswith("gemv_quant") and int(launch[3][20]) != 0]  # N2
+    assert any(int(launch[3][-19]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
+    assert not any(name.startswith("gemv_quant") and name.endswith(", true>") for name in names)
+    assert sum(name.startswith("rope_kv_append") for name in names) == len(qkv)
+
+
 def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, monkeypatch):
     """With programmatic launches (sm_90+) a GEMV loads its first weights while the junction kernel before it runs,
     so the decode step keeps the junctions out of the GEMV prologues, eagerly as in the graph."""
