@@ -256,3 +256,15 @@ def test_a_graph_is_captured_only_once_every_page_it_writes_exists(monkeypatch):
     assert not path._pages_ready(cache, 2)  # an eager step that stopped early left the last slot out
     cache.storage.slot(slots - 1)
     assert path._pages_ready(cache, 2) and not path._pages_ready(cache, 3)
+
+
+def test_an_eager_warm_up_step_gets_all_its_pages_before_its_forward(monkeypatch):
+    """The step before a capture (CudaPath.run returns None) finds every page of its loop count allocated, so no
+    page is allocated between the forward's activations (which fragmented the allocator at batch 64 x 2,048)."""
+    path = _cpu_cuda_path(monkeypatch)
+    cache = path.new_cache(64)
+    cache.reserve(1, 16, torch.bfloat16, torch.device("cpu"))
+    key = ("prefill", 1, 16, 2, cache.storage.serial, cache.storage.capacity)
+    assert not cache.storage.pages
+    assert path.run(key, torch.ones(1, 16, dtype=torch.long), None, None, cache) is None
+    assert path._pages_ready(cache, 2) and not path._pages_ready(cache, 3)
