@@ -121,7 +121,7 @@ class CudaPath:
         self.graphs: dict[tuple, _Graph | _StepGraph] = {}
         self.warmed: set[tuple] = set()
         self.use_graphs = cuda_graphs
-        self.pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self.pool: Any = None  # the graphs' shared memory pool (see _record)
         self.device = parameter.device
         self.run_ahead_enabled = run_ahead  # greedy generate() replays decode steps ahead (see run_ahead)
         self.side_stream: torch.cuda.Stream | None = None
@@ -426,6 +426,11 @@ class CudaPath:
         # dead reference cycle) destroys it there, which capture forbids (the capture fails with
         # cudaErrorStreamCaptureInvalidated; seen on the H200 in the GPU suite). Recent torch.cuda.graph no longer
         # collects on entry, and a gc.collect() here took 0.23 s: the cycles wait for the next collection instead.
+        if not self.graphs:
+            # A private pool dies with the last graph captured into it: capturing into it again fails inside PyTorch
+            # (c10 CUDACachingAllocator: INTERNAL ASSERT "use_count > 0"; seen on the H200 when tinyloop-bench's
+            # batch-16 row followed release_cuda_caches()). With no graph kept, the next capture takes a new pool.
+            self.pool = torch.cuda.graph_pool_handle()
         collecting = gc.isenabled()
         gc.disable()
         try:

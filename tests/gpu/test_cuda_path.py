@@ -147,6 +147,21 @@ def test_run_ahead_gives_the_outputs_of_plain_steps(variant):
     assert path.ahead is None  # generate() leaves no step in flight
 
 
+def test_generate_after_release_captures_again():
+    """release_cuda_caches() drops every graph, which frees their shared memory pool; a later call of another shape
+    must capture into a new pool (capturing into the dead one failed inside PyTorch's allocator: tinyloop-bench's
+    batch-16 row after its batch-1 row, H200)."""
+    _, fast = _pair("ouro", QUANTS["int4-g32"])
+    eager = _model("ouro", QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for rows in (1, 3, 1):
+        want = eager.generate(IDS[:rows].cuda(), **kwargs)
+        assert torch.equal(fast.generate(IDS[:rows].cuda(), **kwargs), want)
+        assert fast._cuda_path.graphs  # the decode step was captured
+        fast.release_cuda_caches()
+        assert not fast._cuda_path.graphs and not fast._cuda_path.storages
+
+
 def test_no_garbage_collection_runs_inside_a_capture():
     """A dead reference cycle that holds another CUDA graph, collected while a decode step is captured, destroys
     that graph inside the capture, which fails it (seen in this suite). Captures run with automatic collection off,
