@@ -129,6 +129,14 @@ class CudaPath:
         self.finished_token: tuple[torch.Tensor, torch.Tensor] | None = None  # (pad, ids after which a row is done)
         self.run_ahead_counts = {"hits": 0, "misses": 0}  # of the current (or last) run_ahead context
         self._running_ahead = False
+        from .kernels.fused_decode import FusedDecode
+
+        self.fused = FusedDecode(model)  # batch-1 decode steps as one kernel where it serves them
+
+    def fused_decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, loops: int) -> Any:
+        """The decode step's (last hidden state, exit-gate logits) from the fused decode kernel, or None where it does
+        not serve the step (kernels/fused_decode.py says why)."""
+        return self.fused.run(hidden, cos, sin, cache, loops)
 
     # -- caches ------------------------------------------------------------------------------------------------------
 
@@ -193,6 +201,7 @@ class CudaPath:
         self.storages.clear()
         self.graphs.clear()
         self.warmed.clear()
+        self.fused.drop()
 
     def _reclaim(self, needy: int) -> bool:
         """Pages of the storage with serial ``needy`` do not fit: drop every other kept storage (with their graphs)
@@ -217,6 +226,7 @@ class CudaPath:
         for graph_key in [graph_key for graph_key in self.graphs if graph_key[-2] == serial]:
             del self.graphs[graph_key]
         self.warmed = {warm for warm in self.warmed if warm[-2] != serial}
+        self.fused.drop(serial)
 
     # -- CUDA graphs: decode steps, and prompts padded on the right to a bucket -----------------------------------
 

@@ -420,22 +420,31 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
 
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
-        hidden = self._run_layers(self.prelude_layers, hidden, context, lambda index: _slot(cache, "prelude", index))
         threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
         if threshold is not None and not self.config.exit_gate:
             raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
         keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
         rule = self._early_exit_rule(early_exit, early_exit_threshold, threshold, exit_at_step, cache, length)
-        state, states, gates, loops_run = self._run_loops(
-            hidden, context, total_loops, loops_per_row, position_ids, keep_states, exit_rule=rule
-        )
-
-        probabilities = exit_distribution(gates, loops_per_row) if gates else None
-        if exit_at_step is not None:
-            state = states[exit_at_step]
-        elif threshold is not None:
-            state = select_states(states, threshold_exit_steps(probabilities, threshold, loops_per_row))
-        last_hidden = self.finish(state, context)
+        fused = None
+        if loops_per_row is None and not keep_states and rule is None:
+            fused = self._fused_decode(hidden, context, total_loops)
+        if fused is not None:  # the whole step in one kernel (CUDA path, batch-1 decode)
+            last_hidden, gates = fused
+            states, gates = [], gates or []
+            probabilities = exit_distribution(gates, None) if gates else None
+        else:
+            hidden = self._run_layers(
+                self.prelude_layers, hidden, context, lambda index: _slot(cache, "prelude", index)
+            )
+            state, states, gates, loops_run = self._run_loops(
+                hidden, context, total_loops, loops_per_row, position_ids, keep_states, exit_rule=rule
+            )
+            probabilities = exit_distribution(gates, loops_per_row) if gates else None
+            if exit_at_step is not None:
+                state = states[exit_at_step]
+            elif threshold is not None:
+                state = select_states(states, threshold_exit_steps(probabilities, threshold, loops_per_row))
+            last_hidden = self.finish(state, context)
         if cache is not None:
             cache.end_step()
 
@@ -450,6 +459,16 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             **{CACHE_OUTPUT_FIELD: cache},
         )
         return output if return_dict is not False else output.to_tuple()
+
+    def _fused_decode(
+        self, hidden: torch.Tensor, context: _ForwardContext, loops: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None] | None:
+        """(last hidden state, exit-gate logits per loop) of a decode step run as one kernel by the CUDA path, or None
+        where it does not serve the step (then the layers run op by op; see kernels/fused_decode.py)."""
+        path = getattr(self, "_cuda_path", None)
+        if path is None or hidden.shape[1] != 1 or context.cache is None:
+            return None
+        return path.fused_decode(hidden, context.cos, context.sin, context.cache, loops)
 
     def _run_loops(
         self,

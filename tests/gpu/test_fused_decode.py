@@ -1,0 +1,127 @@
+"""The fused decode kernel (kernels/fused_decode.cu: a whole batch-1 decode step in one launch) against the per-op
+CUDA path and the reference path, inside generate() with and without CUDA graphs (skipped cleanly without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from tinyloop_hf import TinyLoopCache, TinyLoopQuantConfig
+from tinyloop_hf.convert.quantize import quantize_model
+
+pytestmark = pytest.mark.gpu
+if torch.cuda.is_available():
+    pytest.importorskip("cupy")
+    from tinyloop_hf.kernels import fused_decode
+    from tinyloop_hf.kernels.loader import sm90_or_newer
+
+    if not sm90_or_newer():
+        pytest.skip("the fused decode kernel needs sm_90+", allow_module_level=True)
+
+# Shapes the kernel serves (its copies need 16-byte rows of scales): hidden 512, head_dim 128 or 64 (GQA).
+SHAPES = {
+    "ouro": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4),
+    "llama": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2),
+}
+QUANTS = {
+    "int4-g32": TinyLoopQuantConfig(bits=4, group_size=32),
+    "int4-g128-sym-bf16": TinyLoopQuantConfig(bits=4, group_size=128, symmetric=True, scale_dtype="bfloat16"),
+}
+
+
+def _model(variant, quant="int4-g32", dtype=torch.bfloat16, **overrides):
+    model = tiny_model(variant, **{**SHAPES[variant], **overrides})
+    quantize_model(model, QUANTS[quant], progress=False)
+    return model.to("cuda", dtype)
+
+
+def _decode_logits(model, ids, prompt, cache):
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(steps, 1).float()
+
+
+@pytest.fixture
+def per_op(monkeypatch):
+    """Build models whose decode steps run op by op (the fused kernel switched off while they run)."""
+
+    def run(fn, *args):
+        monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
+        try:
+            return fn(*args)
+        finally:
+            monkeypatch.setattr(fused_decode, "FUSED_DECODE", True)
+
+    return run
+
+
+WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # g128: 8 groups, 16-byte scale rows
+
+
+@pytest.mark.parametrize(
+    "variant, quant, dtype, shape",
+    [("ouro", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g32", torch.float16, {}),
+     ("llama", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE)],
+)  # fmt: skip
+def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, per_op):
+    ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(4)).cuda()
+    reference = _model(variant, quant, dtype, **shape)
+    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    plain = _model(variant, quant, dtype, **shape).use_cuda_path(cuda_graphs=False)
+    baseline = per_op(_decode_logits, plain, ids, 6, plain.new_cache())
+    fast = _model(variant, quant, dtype, **shape).use_cuda_path(cuda_graphs=False)
+    got = _decode_logits(fast, ids, 6, fast.new_cache())
+    assert fast._cuda_path.fused.steps == ids.shape[1] - 6  # every decode step ran fused
+    assert plain._cuda_path.fused.steps == 0
+    scale = want.abs().max()
+    per_op_error = (baseline - want).abs().max()
+    assert (got - want).abs().max() <= 2 * per_op_error + 2e-3 * scale
+    assert (got - baseline).abs().max() <= 1e-2 * scale
+
+
+def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
+    ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    graphs, eager = _model("ouro").use_cuda_path(), _model("ouro").use_cuda_path(cuda_graphs=False)
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    want, got = eager.generate(ids, **kwargs), graphs.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    assert graphs._cuda_path.fused.steps >= 8 and any(key[0] == "decode" for key in graphs._cuda_path.graphs)
+    again = graphs.generate(ids, **kwargs)  # replayed by the next call, which reuses the storage
+    assert torch.equal(again.sequences, want.sequences)
+
+
+def test_fused_decode_over_many_cached_tokens(per_op):
+    """A prompt long enough that each attention split loops over several steps of its tokens (17 splits of 60 tokens
+    a step at this shape), with the exit gate's outputs of an eager step."""
+    ids = torch.randint(1, 256, (1, 1300), generator=torch.Generator().manual_seed(2)).cuda()
+    kw = dict(max_position_embeddings=2048)
+    plain = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
+    fast = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
+    baseline = per_op(_decode_logits, plain, ids, 1296, plain.new_cache())
+    got = _decode_logits(fast, ids, 1296, fast.new_cache())
+    assert fast._cuda_path.fused.steps == 4
+    assert (got - baseline).abs().max() <= 1e-2 * baseline.abs().max()
+    cache = fast.new_cache()
+    with torch.no_grad():
+        fast(ids[:, :-1], past_key_values=cache, use_cache=True)
+        step = fast(ids[:, -1:], past_key_values=cache, use_cache=True)
+        plain_cache = plain.new_cache()
+        plain(ids[:, :-1], past_key_values=plain_cache, use_cache=True)
+        want = per_op(lambda: plain(ids[:, -1:], past_key_values=plain_cache, use_cache=True))
+    assert step.exit_probabilities.shape == want.exit_probabilities.shape == (1, 1, 3)
+    assert (step.gate_logits.float() - want.gate_logits.float()).abs().max() <= 5e-2
+
+
+def test_steps_the_kernel_does_not_serve_run_op_by_op():
+    """Batch 2 and INT8 K/V are not served: those steps run on the per-op kernels, with the same tokens as ever."""
+    model = _model("ouro").use_cuda_path()
+    ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(3)).cuda()
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (2, 12) and model._cuda_path.fused.steps == 0
+    model.use_cuda_path(kv_cache_dtype="int8")
+    model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert model._cuda_path.fused.steps == 0
