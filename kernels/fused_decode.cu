@@ -100,6 +100,7 @@ struct Params {
     const Work* work;     // [G]
     const Piece* pieces;
     const unsigned* unit_rows;  // [G][MAX_UNITS]: local row of the pair's first row | second row << 16
+    unsigned long long* trace;  // [apps][16][G] clock64 at phase boundaries (null: no trace)
     Slot slot[4];
     unsigned xres, stage, partials;  // dynamic shared memory offsets
     unsigned smem_bytes;
@@ -406,6 +407,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     const int length = __ldcg(P.lengths), start = __ldcg(P.starts), position = __ldcg(P.positions);
     const int page = __ldcg(P.block_table + position / 16);
     const int bpa = W.batches_per_app;
+    unsigned long long* const trace = P.trace;
+    int traced_app = 0;
+    // A timestamp of this CTA at point k of the current application (tests and eval scripts only).
+    auto mark = [&](int k) {
+        if (trace != nullptr && ct == 0) trace[(static_cast<long long>(traced_app) * 16 + k) * gridDim.x + cta] = clock64();
+    };
 
     auto wait_slot = [&](int a, int s) {
         const unsigned first = static_cast<unsigned>(a * bpa + W.slot_batch0[s]);
@@ -519,6 +526,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
         const int flags = __ldg(&app->flags);
+        traced_app = a;
+        mark(0);
         // ================= P1: junction, QKV projection, RoPE, K/V append =================
         {
             float v[8];
@@ -540,7 +549,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             w_attn_branch = owned ? load_vec(ldg_ptr(&app->norm[1]), vec) : zero4;
             w_post = owned ? load_vec(ldg_ptr(&app->norm[2]), vec) : zero4;
             consumers_sync();  // the stage
+            mark(1);
             wait_slot(a, 0);
+            mark(2);
             const Slot& slot = P.slot[0];
             const unsigned seq = seq_of(epoch, apps, a, PH_QKV);
             T* k_pages = static_cast<T*>(ldg_ptr(&app->k_pages));
@@ -591,6 +602,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             release_slot(0);
+            mark(3);
         }
         // ================= P2: attention (one KV head and split per CTA), the split merge =================
         if (cta < Hkv * S) {
@@ -644,6 +656,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     count += i < Gq * D + 2 * D;
                 }
                 ll_wait8_n<WORDS>(ptrs, count, seq, bits);
+                mark(4);
 #pragma unroll
                 for (int w = 0; w < WORDS; ++w) {
                     const int i = ct + w * CONSUMERS;
@@ -817,12 +830,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             consumers_sync();  // the stage (q_s, warp states) is reused by P3
+            mark(5);
         }
         // ================= P3: O projection =================
         {
             poll_to_stage(P.attn_ll, Hq * D, seq_of(epoch, apps, a, PH_ATTN));
             consumers_sync();
+            mark(6);
             wait_slot(a, 1);
+            mark(7);
             const Slot& slot = P.slot[1];
             const unsigned seq = seq_of(epoch, apps, a, PH_O);
             for (int q = cwarp; q < W.o_quads; q += CWARPS) {
@@ -834,6 +850,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
             }
             release_slot(1);
+            mark(8);
         }
         // ================= P4: junction, gate/up projections, SwiGLU =================
         {
@@ -851,7 +868,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             }
             if (a + 1 < apps) w_next = owned ? load_vec(ldg_ptr(&(app + 1)->norm[0]), vec) : zero4;
             consumers_sync();
+            mark(9);
             wait_slot(a, 2);
+            mark(10);
             const Slot& slot = P.slot[2];
             const unsigned seq = seq_of(epoch, apps, a, PH_H);
             for (int q = cwarp; q < W.g_quads; q += CWARPS) {
@@ -870,12 +889,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             release_slot(2);
+            mark(11);
         }
         // ================= P5: down projection (K split in parts of 64 chunks) =================
         {
             poll_to_stage(P.h_ll, F, seq_of(epoch, apps, a, PH_H));
             consumers_sync();
+            mark(12);
             wait_slot(a, 3);
+            mark(13);
             const Slot& slot = P.slot[3];
             const int chunks = F / 32, parts = (chunks + 63) / 64;
             const int tasks = W.d_quads * parts;
@@ -897,6 +919,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 ll_store16(P.down_ll + W.d_quad0 + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
             }
             release_slot(3);
+            mark(14);
         }
     }
     // ================= the last junction and final norm (CTA 0) =================

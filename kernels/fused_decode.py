@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-FUSED_DECODE = True  # A/B switch (eval scripts): batch-1 decode steps as one launch where served
+# Off by default: correct (bit-identical logits to the per-op path in bf16 on the H200) but not yet faster. H200,
+# Ouro-1.4B shape, INT4, L = 4, batch 1, graph replay: 3.42-3.55 ms against 2.82 per-op; with the projections' math
+# removed (timing only) still 2.76 ms, so what it costs is its junctions, attention merge, polls and barriers, not
+# the GEMVs (eval/results/BENCH.md, fifteenth session). On for experiments: ``fused_decode.FUSED_DECODE = True``.
+FUSED_DECODE = False
 CHUNK_BYTES = 16 * 1024  # a TMA batch: about this many bytes per ring mbarrier
 INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow every poll and barrier)
 THREADS, CONSUMERS = 512, 480
@@ -64,7 +68,7 @@ class ParamsStruct(ctypes.Structure):
     _fields_ += [(name, _ptr) for name in ("block_table", "lengths", "starts", "positions", "final_w", "gate_w",
                                            "gate_b", "hidden_out", "gates_out", "epoch", "q_ll", "k_ll", "v_ll",
                                            "part_ll", "attn_ll", "o_ll", "h_ll", "down_ll", "apps_table", "work",
-                                           "pieces", "unit_rows")]  # fmt: skip
+                                           "pieces", "unit_rows", "trace")]  # fmt: skip
     _fields_ += [("slot", SlotStruct * 4), ("xres", _u32), ("stage", _u32), ("partials", _u32),
                  ("smem_bytes", _u32), ("pad", _i32)]  # fmt: skip
 
@@ -235,9 +239,9 @@ def _pieces(cta: CtaWork, slots: list[dict], shapes: Shapes, chunk: int) -> str 
     for index, piece in enumerate(cta.pieces):
         batch.append(piece)
         following = cta.pieces[index + 1] if index + 1 < len(cta.pieces) else None
-        full = following is None or following.slot != piece.slot or sum(p.bytes for p in batch) + following.bytes > chunk
-        if full:
-            batch[0].batch_bytes = sum(p.bytes for p in batch)
+        size = sum(p.bytes for p in batch)
+        if following is None or following.slot != piece.slot or size + following.bytes > chunk:
+            batch[0].batch_bytes = size
             batch[-1].last = True
             batch = []
     return None
@@ -289,7 +293,8 @@ def refusal(model: Any, hidden: torch.Tensor, cache: Any, loops: int) -> str | N
     formats = {linear.format for linear in linears}
     if len(formats) != 1:
         return "it needs one quantization format for every projection"
-    if config.exit_gate and (not isinstance(model.exit_gate, torch.nn.Linear) or model.exit_gate.weight.dtype != hidden.dtype):
+    gate = getattr(model, "exit_gate", None)
+    if config.exit_gate and (not isinstance(gate, torch.nn.Linear) or gate.weight.dtype != hidden.dtype):
         return "it needs an unquantized exit gate in the activation dtype"
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim
     widest = max(F, H, config.num_attention_heads * D)
@@ -335,6 +340,7 @@ class FusedDecode:
         self.model = model
         self.plans: dict[tuple, Plan | str] = {}
         self.steps = 0  # decode steps run fused (tests read it)
+        self.trace: torch.Tensor | None = None  # int64 [apps * 16 * grid]: phase timestamps of plans built from now on
 
     def drop(self, serial: int | None = None) -> None:
         self.plans = {} if serial is None else {k: v for k, v in self.plans.items() if k[0] != serial}
@@ -391,7 +397,7 @@ class FusedDecode:
                                        None)) is not None and t.data_ptr() % 16]  # fmt: skip
         if misaligned:
             return f"{misaligned[0]} tensors are not 16-byte aligned"
-        plan = layout(shapes, grid)
+        plan = layout(shapes, grid, CHUNK_BYTES)
         if isinstance(plan, str):
             return plan
         limit = _smem_limit(device) - 4096  # the kernel's static shared memory
@@ -454,9 +460,9 @@ class FusedDecode:
                 rows[c * MAX_UNITS + j] = value
         piece_structs = (PieceStruct * max(1, len(pieces)))()
         for i, p in enumerate(pieces):
-            s = piece_structs[i]
-            s.mat, s.kind, s.last, s.offset, s.bytes, s.smem, s.batch_bytes = (p.mat, p.kind, int(p.last), p.offset,
-                                                                               p.bytes, p.smem, p.batch_bytes)  # fmt: skip
+            target = piece_structs[i]
+            target.mat, target.kind, target.last = p.mat, p.kind, int(p.last)
+            target.offset, target.bytes, target.smem, target.batch_bytes = p.offset, p.bytes, p.smem, p.batch_bytes
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             tensor = torch.zeros(*shape, dtype=dtype, device=device)
@@ -482,7 +488,8 @@ class FusedDecode:
             params.gate_b = 0 if model.exit_gate.bias is None else model.exit_gate.bias.data_ptr()
         hidden_out = zeros(H, dtype=dtype)
         gates_out = zeros(loops, dtype=dtype)
-        params.hidden_out, params.gates_out, params.epoch = hidden_out.data_ptr(), gates_out.data_ptr(), zeros(1).data_ptr()
+        params.hidden_out, params.gates_out = hidden_out.data_ptr(), gates_out.data_ptr()
+        params.epoch = zeros(1).data_ptr()  # launches so far: part of every sequence number
         # LL buffers (8-byte words: 2 ints; 16-byte words: 4 ints), zeroed: no sequence number is 0.
         params.q_ll, params.k_ll, params.v_ll = (zeros(n, 2).data_ptr() for n in (Hq * D, Hkv * D, Hkv * D))
         params.part_ll = zeros(Hkv * S * gq * (D + 2), 2).data_ptr()
@@ -492,6 +499,7 @@ class FusedDecode:
         params.work = device_bytes(work).data_ptr()
         params.pieces = device_bytes(piece_structs).data_ptr()
         params.unit_rows = device_bytes(rows).data_ptr()
+        params.trace = 0 if self.trace is None else self.trace.data_ptr()
         for s, slot in enumerate(plan.slots):
             target = params.slot[s]
             target.weights, target.scales, target.zeros = slot["weights"], slot["scales"], slot["zeros"]

@@ -47,7 +47,7 @@ def test_every_row_is_copied_once_to_where_the_kernel_reads_it(shapes, ctas):
             elif piece.kind == 1:
                 assert slot["scales"] <= piece.smem and piece.smem + piece.bytes <= slot["zeros"] or not shapes.zeros
         spans.sort()
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "copies overlap"
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), "copies overlap"
         assert spans[-1][1] <= plan.xres
         # QKV: the local rows of each unit hold its pair's rows.
         first, count = work.units

@@ -34,6 +34,21 @@ def test_hopper_only_code_assembles():
     assert status == 0, log
 
 
+def test_the_fused_decode_kernel_assembles_for_sm90():
+    """kernels/fused_decode.cu (TMA bulk copies, mbarrier transaction counts: sm_90 only), through ptxas, for the
+    paths its templates select: bf16 MHA at head_dim 128 and fp16 GQA at head_dim 64."""
+    names = ["fused::fused_decode<__nv_bfloat16, 128, 1>", "fused::fused_decode<__half, 64, 4>"]
+    status, log = _compile("fused_decode.cu", names, arch="sm_90")
+    assert status == 0, log
+
+
+@pytest.mark.parametrize("probe", ["ring_probe", "pipe_probe"])
+def test_the_megakernel_probes_compile(probe):
+    """eval/ring_probe.py's and eval/pipe_probe.py's kernels (measurements, not used by the model), for sm_90."""
+    status, log = _compile(f"{probe}.cu", [probe], arch="sm_90")
+    assert status == 0, log
+
+
 def test_the_persistent_probe_compiles():
     """eval/persistent_probe.py's kernels (a measurement, not used by the model), through ptxas for sm_90."""
     status, log = _compile("persistent_probe.cu", ["probe_phase", "probe_chain"], arch="sm_90")

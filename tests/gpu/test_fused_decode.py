@@ -44,6 +44,12 @@ def _decode_logits(model, ids, prompt, cache):
     return torch.stack(steps, 1).float()
 
 
+@pytest.fixture(autouse=True)
+def fused_on(monkeypatch):
+    """The kernel is off by default (not yet faster than the per-op path): these tests switch it on."""
+    monkeypatch.setattr(fused_decode, "FUSED_DECODE", True)
+
+
 @pytest.fixture
 def per_op(monkeypatch):
     """Build models whose decode steps run op by op (the fused kernel switched off while they run)."""

@@ -1,0 +1,111 @@
+"""Where a fused decode step's time goes (kernels/fused_decode.cu; Ouro-1.4B shape, INT4, L = 4, batch 1).
+
+Default: per-phase durations from the kernel's clock64 trace of one eager step (median and maximum over CTAs and
+layer applications), in microseconds at the device's rated clock. ``--replay``: the GPU time of one graph-replayed
+step, fused and per-op; with ``--no-math`` the fused kernel's projection loops are compiled out (wrong outputs,
+timing only), which separates the GEMVs from the kernel's structure (polls, junctions, attention, barriers).
+
+    python -m tinyloop_hf.eval.fused_profile
+    python -m tinyloop_hf.eval.fused_profile --replay [--no-math]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from tinyloop_hf import TinyLoopForCausalLM
+from tinyloop_hf.kernels import fused_decode, loader
+
+from .bench import build_ours, ouro_config
+from .profile_decode import gpu_ms
+
+PHASES = ["P1 poll + junction", "P1 slot wait", "P1 QKV", "P2 q/k/v poll", "P2 attention", "P3 poll", "P3 slot wait",
+          "P3 O", "P4 poll + junction", "P4 slot wait", "P4 gate/up", "P5 poll", "P5 slot wait", "P5 down"]  # fmt: skip
+_MATH_LOOP = "    for (int c = c0 + lane; c < c1; c += 32) {\n        uint4 xv[4][1][1];"
+
+
+def compile_without_math() -> None:
+    """Compile fused_decode.cu with smem_dots' loop emptied (before the kernel is first compiled)."""
+    original = loader.source
+
+    def patched(file: str, _seen: set[str] | None = None) -> str:
+        text = original(file, _seen)
+        if file == "fused_decode.cu":
+            if text.count(_MATH_LOOP) != 1:
+                raise ValueError("fused_profile: the --no-math patch no longer matches fused_decode.cu")
+            text = text.replace(_MATH_LOOP, _MATH_LOOP.replace("c < c1", "c < c0"))
+        return text
+
+    loader.source = patched
+
+
+def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor) -> str:
+    import cupy
+
+    fused = model._cuda_path.fused
+    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    apps = model.config.num_loops * model.config.num_loop_layers
+    fused.drop()
+    fused.trace = torch.zeros(apps * 16 * grid, dtype=torch.int64, device="cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            model(step, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    ticks = fused.trace.view(apps, 16, grid).cpu().double()
+    fused.trace = None
+    fused.drop()
+    ghz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e6
+    lines = ["| phase | median us | max us |", "|---|---|---|"]
+    for k, name in enumerate(PHASES, start=1):
+        spans = ticks[2:, k] - ticks[2:, k - 1]
+        spans = spans[:, :128] if name.startswith("P2") else spans  # CTAs with an attention split
+        values = spans.flatten().tolist()
+        lines.append(f"| {name} | {statistics.median(values) / 1e3 / ghz:.2f} | {max(values) / 1e3 / ghz:.2f} |")
+    per_app = (ticks[3:, 0] - ticks[2:-1, 0]).flatten().tolist()
+    median, worst = statistics.median(per_app) / 1e3 / ghz, max(per_app) / 1e3 / ghz
+    lines.append(f"| layer application | {median:.2f} | {worst:.2f} |")
+    return "\n".join(lines)
+
+
+def replay_ms(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor) -> float:
+    """GPU time of one graph-replayed decode step (after the eager warm-up and the capture)."""
+    with torch.no_grad():
+        for _ in range(3):
+            model(step, past_key_values=cache, use_cache=True)
+        return gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True), repeats=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replay", action="store_true", help="graph-replay times, fused and per-op")
+    parser.add_argument("--no-math", action="store_true", help="the fused kernel without its projection loops")
+    parser.add_argument("--context", type=int, default=192)
+    args = parser.parse_args()
+    if args.no_math:
+        compile_without_math()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
+    ids = torch.randint(1, 49152, (1, args.context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    for fused in (True, False) if args.replay else (True,):
+        fused_decode.FUSED_DECODE = fused
+        model = build_ours(base, 4).use_cuda_path(cuda_graphs=args.replay)
+        with torch.no_grad():
+            cache = model.new_cache(args.context + 64)
+            model(ids, past_key_values=cache, use_cache=True)
+            step = ids[:, -1:]
+        if not args.replay:
+            print(trace_table(model, cache, step))
+            return
+        ms = replay_ms(model, cache, step)
+        label = "fused" + (" (no math)" if args.no_math else "") if fused else "per-op"
+        print(f"{label}: {ms:.3f} ms per graph replay (fused steps {model._cuda_path.fused.steps})")
+        del model, cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
