@@ -15,6 +15,7 @@
 // The host (fused_decode.py) builds every table; it serves only what this kernel implements and says why not.
 #include "gemv_dot.cuh"
 #include "norm.cuh"
+#include "tma.cuh"
 
 namespace fused {
 
@@ -111,39 +112,6 @@ struct Params {
 // Synchronization primitives
 // ---------------------------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned done = 0;
-    unsigned long long spins = 0;
-    while (true) {
-        asm volatile(
-            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(parity)
-            : "memory");
-        if (done) return;
-        if (++spins > SPIN_LIMIT) __trap();
-    }
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
-                                          unsigned long long policy) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
-        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-        : "memory");
-}
 // Every consumer thread (named barrier 1; the producer warp never takes part).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
@@ -155,59 +123,40 @@ __device__ __forceinline__ void ll_store16(uint4* p, unsigned a, unsigned b, uns
     asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1, %2, %3, %2};" ::"l"(p), "r"(a), "r"(seq), "r"(b)
                  : "memory");
 }
+// One LL word: an 8-byte {payload, seq} or a 16-byte {payload, seq, payload, seq} (each 8-byte half written at once).
+__device__ __forceinline__ void ll_load(const uint2* p, uint2& v) {
+    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
+}
+__device__ __forceinline__ void ll_load(const uint4* p, uint4& v) {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+}
+__device__ __forceinline__ bool ll_ready(const uint2& v, unsigned seq) { return v.y == seq; }
+__device__ __forceinline__ bool ll_ready(const uint4& v, unsigned seq) { return v.y == seq && v.w == seq; }
+__device__ __forceinline__ void ll_payload(const uint2& v, unsigned& out) { out = v.x; }
+__device__ __forceinline__ void ll_payload(const uint4& v, uint2& out) { out = make_uint2(v.x, v.z); }
+
 // Poll up to N words at once (one round trip per round, all loads in flight together) until every word i < count
 // carries seq; their payloads into out.
-template <int N>
-__device__ __forceinline__ void ll_wait8_n(const uint2* const (&p)[N], int count, unsigned seq, unsigned (&out)[N]) {
+template <int N, typename Word, typename Payload>
+__device__ __forceinline__ void ll_wait_n(const Word* const (&p)[N], int count, unsigned seq, Payload (&out)[N]) {
     bool done[N];
-    uint2 v[N];
+    Word v[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) done[i] = i >= count;
     unsigned long long spins = 0;
     while (true) {
 #pragma unroll
         for (int i = 0; i < N; ++i)
-            if (!done[i])
-                asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];" : "=r"(v[i].x), "=r"(v[i].y) : "l"(p[i])
-                             : "memory");
+            if (!done[i]) ll_load(p[i], v[i]);
         bool all = true;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
             if (!done[i]) {
-                if (v[i].y == seq) {
-                    out[i] = v[i].x;
-                    done[i] = true;
-                } else {
-                    all = false;
-                }
-            }
-        }
-        if (all) return;
-        if (++spins > SPIN_LIMIT) __trap();
-    }
-}
-
-template <int N>
-__device__ __forceinline__ void ll_wait16_n(const uint4* const (&p)[N], int count, unsigned seq, uint2 (&out)[N]) {
-    bool done[N];
-    uint4 v[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) done[i] = i >= count;
-    unsigned long long spins = 0;
-    while (true) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-            if (!done[i])
-                asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
-                             : "l"(p[i])
-                             : "memory");
-        bool all = true;
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            if (!done[i]) {
-                if (v[i].y == seq && v[i].w == seq) {
-                    out[i] = make_uint2(v[i].x, v[i].z);
+                if (ll_ready(v[i], seq)) {
+                    ll_payload(v[i], out[i]);
                     done[i] = true;
                 } else {
                     all = false;
@@ -385,7 +334,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     }
                     const unsigned char* src =
                         static_cast<const unsigned char*>(ldg_ptr(&app->mat[piece.mat][piece.kind])) + piece.offset;
-                    bulk_copy(smem + piece.smem, src, piece.bytes, bar, policy);
+                    bulk_copy_hint(smem + piece.smem, src, piece.bytes, bar, policy);
                     if (piece.last) ++issued;
                 }
             }
@@ -447,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             ptrs[i] = ll + (k < n / 4 ? k : 0);
             count += k < n / 4;
         }
-        ll_wait16_n<STAGE_WORDS>(ptrs, count, seq, payload);
+        ll_wait_n<STAGE_WORDS>(ptrs, count, seq, payload);
 #pragma unroll
         for (int i = 0; i < STAGE_WORDS; ++i) {
             const int k = ct + i * CONSUMERS;
@@ -460,7 +409,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         if (!owned) return;
         const uint4* ptrs[2] = {ll + 2 * vec, ll + 2 * vec + 1};
         uint2 payload[2];
-        ll_wait16_n<2>(ptrs, 2, seq, payload);
+        ll_wait_n<2>(ptrs, 2, seq, payload);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float2 a = unpack2<T>(payload[half].x), b = unpack2<T>(payload[half].y);
@@ -655,7 +604,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     ptrs[w] = ll;
                     count += i < Gq * D + 2 * D;
                 }
-                ll_wait8_n<WORDS>(ptrs, count, seq, bits);
+                ll_wait_n<WORDS>(ptrs, count, seq, bits);
                 mark(4);
 #pragma unroll
                 for (int w = 0; w < WORDS; ++w) {
@@ -801,7 +750,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     const uint2* pi = P.part_ll + (static_cast<long long>(h * S + i) * Gq + g) * (D + 2);
                     const uint2* ptrs[6] = {pi, pi + 1, pi + 2 + d0, pi + 3 + d0, pi + 4 + d0, pi + 5 + d0};
                     unsigned words[6];
-                    ll_wait8_n<6>(ptrs, 6, part_seq, words);
+                    ll_wait_n<6>(ptrs, 6, part_seq, words);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) o_s[(g * S + i) * D + d0 + e] = __uint_as_float(words[2 + e]);
                     if (d0 == 0) {
