@@ -188,6 +188,11 @@ __device__ __forceinline__ unsigned pack2(float a, float b) {
     return static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&pa)) |
            (static_cast<unsigned>(*reinterpret_cast<const unsigned short*>(&pb)) << 16);
 }
+// 8 fp32 values rounded to T, as the 16 bytes one vector store writes.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+    return make_uint4(pack2<T>(x[0], x[1]), pack2<T>(x[2], x[3]), pack2<T>(x[4], x[5]), pack2<T>(x[6], x[7]));
+}
 template <typename T>
 __device__ __forceinline__ float2 unpack2(unsigned bits) {
     return to_float2(bits_as_vec2<T>(bits));
@@ -375,14 +380,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         if (ct == 0) mbar_arrive(&empty[s]);
     };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
-    auto stage_vec = [&](int v, const float (&x)[8]) {
-        uint4 bits;
-        bits.x = pack2<T>(x[0], x[1]);
-        bits.y = pack2<T>(x[2], x[3]);
-        bits.z = pack2<T>(x[4], x[5]);
-        bits.w = pack2<T>(x[6], x[7]);
-        reinterpret_cast<uint4*>(stage)[swizzle(v)] = bits;
-    };
+    auto stage_vec = [&](int v, const float (&x)[8]) { reinterpret_cast<uint4*>(stage)[swizzle(v)] = pack8<T>(x); };
     // A 16-byte LL vector of n values polled into the stage (word k: values 4k .. 4k + 3), up to STAGE_WORDS words
     // per thread in flight together.
     auto poll_to_stage = [&](const uint4* ll, int n, unsigned seq) {
@@ -423,13 +421,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         if (owned) unpack8_as_float<T>(reinterpret_cast<const uint4*>(xres)[vec], x);
     };
     auto store_x = [&](const float (&x)[8]) {
-        if (!owned) return;
-        uint4 bits;
-        bits.x = pack2<T>(x[0], x[1]);
-        bits.y = pack2<T>(x[2], x[3]);
-        bits.z = pack2<T>(x[4], x[5]);
-        bits.w = pack2<T>(x[6], x[7]);
-        reinterpret_cast<uint4*>(xres)[vec] = bits;
+        if (owned) reinterpret_cast<uint4*>(xres)[vec] = pack8<T>(x);
     };
     // The residual junction (norm.cuh's junction_row): v (the branch) becomes the new residual stream.
     auto junction = [&](float (&v)[8], const uint4& w_branch) {
@@ -880,14 +872,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     if (P.final_every_loop) normalize<T>(v, owned, w_final, H, eps, red, turn);
     exit_gate(v, w_gate, __ldg(&last->loop));
     if (P.final_end) normalize<T>(v, owned, w_final, H, eps, red, turn);
-    if (owned) {
-        uint4 bits;
-        bits.x = pack2<T>(v[0], v[1]);
-        bits.y = pack2<T>(v[2], v[3]);
-        bits.z = pack2<T>(v[4], v[5]);
-        bits.w = pack2<T>(v[6], v[7]);
-        reinterpret_cast<uint4*>(P.hidden_out)[vec] = bits;
-    }
+    if (owned) reinterpret_cast<uint4*>(P.hidden_out)[vec] = pack8<T>(v);
     consumers_sync();
     if (ct == 0) *P.epoch = epoch + 1;  // every CTA read the epoch before producing anything this CTA waited for
 }

@@ -198,12 +198,10 @@ def _pieces(cta: CtaWork, slots: list[dict], shapes: Shapes, chunk: int) -> str 
     """Fill cta.unit_rows and cta.pieces (TMA copies in batches); the reason when a copy would be misaligned."""
     # Local rows of slot 0: the CTA's QKV rows sorted by (matrix, row), so that runs of rows are one copy each.
     first_unit, count = cta.units
-    rows = sorted({(m, r) for u in range(first_unit, first_unit + count) for m, *pair in [unit_rows(u, shapes)]
-                   for r in pair})  # fmt: skip
+    pairs = [unit_rows(u, shapes) for u in range(first_unit, first_unit + count)]
+    rows = sorted({(matrix, row) for matrix, *both in pairs for row in both})
     local = {key: index for index, key in enumerate(rows)}
-    for u in range(first_unit, first_unit + count):
-        matrix, first, second = unit_rows(u, shapes)
-        cta.unit_rows.append(local[(matrix, first)] | local[(matrix, second)] << 16)
+    cta.unit_rows = [local[(matrix, first)] | local[(matrix, second)] << 16 for matrix, first, second in pairs]
     runs: list[tuple[int, int, int, int, int]] = []  # (slot, matrix, first row, rows, first local row)
     for index, (matrix, row) in enumerate(rows):
         last = runs[-1] if runs else None
@@ -260,14 +258,22 @@ def batches(cta: CtaWork) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _linears(layer: Any) -> list[Any]:
+    """The block's projections in MATRICES order."""
+    return [getattr(layer.self_attn if index < 4 else layer.mlp, name) for index, name in enumerate(MATRICES)]
+
+
 def refusal(model: Any, hidden: torch.Tensor, cache: Any, loops: int) -> str | None:
     """Why the fused kernel cannot run this decode step (None: it can)."""
+    return step_refusal(hidden, cache, loops) or model_refusal(model, hidden.dtype)
+
+
+def step_refusal(hidden: torch.Tensor, cache: Any, loops: int) -> str | None:
+    """What of the step itself the kernel does not serve."""
     from tinyloop_hf.paged_cache import PagedTinyLoopCache
-    from tinyloop_hf.quant_tinyloop import QuantLinear
 
     from .loader import sm90_or_newer
 
-    config = model.config
     if not FUSED_DECODE:
         return "switched off (fused_decode.FUSED_DECODE)"
     if not sm90_or_newer(hidden.device):
@@ -278,6 +284,16 @@ def refusal(model: Any, hidden: torch.Tensor, cache: Any, loops: int) -> str | N
         return "it needs a paged cache holding the prompt"
     if cache.storage.int8 or cache.storage.batch != 1 or cache.loops_cached() > loops:
         return "it serves 16-bit K/V of one row at the cache's loop depth"
+    if loops < 1:
+        return "no loop to run"
+    return None
+
+
+def model_refusal(model: Any, dtype: torch.dtype) -> str | None:
+    """What of the model (TinyLoopModel) the kernel does not serve, with activations in ``dtype``."""
+    from tinyloop_hf.quant_tinyloop import QuantLinear
+
+    config = model.config
     if config.num_prelude_layers or config.num_coda_layers or config.input_injection != "none":
         return "it serves loop blocks without prelude, coda or input injection"
     if config.initial_state != "input" or config.final_norm not in ("every_loop", "end"):
@@ -285,8 +301,7 @@ def refusal(model: Any, hidden: torch.Tensor, cache: Any, loops: int) -> str | N
     if config.attention_bias != "none":
         return "it serves projections without bias"
     layers = model.loop_layers
-    linears = [getattr(layer.self_attn if name in MATRICES[:4] else layer.mlp, name)
-               for layer in layers for name in MATRICES]  # fmt: skip
+    linears = [linear for layer in layers for linear in _linears(layer)]
     if not all(isinstance(linear, QuantLinear) and linear.format.bits == 4 and linear.bias is None
                for linear in linears):  # fmt: skip
         return "it serves INT4 loop-block projections without bias"
@@ -294,29 +309,23 @@ def refusal(model: Any, hidden: torch.Tensor, cache: Any, loops: int) -> str | N
     if len(formats) != 1:
         return "it needs one quantization format for every projection"
     gate = getattr(model, "exit_gate", None)
-    if config.exit_gate and (not isinstance(gate, torch.nn.Linear) or gate.weight.dtype != hidden.dtype):
+    if config.exit_gate and (not isinstance(gate, torch.nn.Linear) or gate.weight.dtype != dtype):
         return "it needs an unquantized exit gate in the activation dtype"
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim
     widest = max(F, H, config.num_attention_heads * D)
     if H % 32 or F % 32 or H // 8 > CONSUMERS or widest // 4 > STAGE_WORDS * CONSUMERS:
         return f"hidden_size {H} / intermediate_size {F} / heads x head_dim outside what one CTA's threads cover"
-    if loops < 1:
-        return "no loop to run"
     norms = [model.norm.weight] + [norm.weight for layer in layers for norm in layer.modules()
                                    if norm is not layer and hasattr(norm, "eps")]  # fmt: skip
     if config.exit_gate:
         norms += [model.exit_gate.weight] + ([model.exit_gate.bias] if model.exit_gate.bias is not None else [])
-    if any(weight.dtype != hidden.dtype for weight in norms):
+    if any(weight.dtype != dtype for weight in norms):
         return "its norm and exit-gate weights must be in the activation dtype"
     if D not in (64, 128, 256) or config.num_attention_heads % config.num_key_value_heads:
         return f"head_dim {D} (64, 128 or 256 served)"
     if config.num_attention_heads // config.num_key_value_heads > 8:
         return "more than 8 query heads per KV head"
     return None
-
-
-def _groups(fmt: Any, in_features: int) -> int:
-    return fmt.groups(in_features)
 
 
 @dataclass
@@ -339,6 +348,7 @@ class FusedDecode:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.plans: dict[tuple, Plan | str] = {}
+        self.model_refusals: dict[torch.dtype, str | None] = {}  # model_refusal per dtype (it walks every layer)
         self.steps = 0  # decode steps run fused (tests read it)
         self.trace: torch.Tensor | None = None  # int64 [apps * 16 * grid]: phase timestamps of plans built from now on
 
@@ -351,7 +361,11 @@ class FusedDecode:
         from .loader import kernel, launch, ptr
 
         model = self.model.model if hasattr(self.model, "model") else self.model
-        if refusal(model, hidden, cache, loops) is not None:
+        if step_refusal(hidden, cache, loops) is not None:
+            return None
+        if hidden.dtype not in self.model_refusals:
+            self.model_refusals[hidden.dtype] = model_refusal(model, hidden.dtype)
+        if self.model_refusals[hidden.dtype] is not None:
             return None
         key = (cache.storage.serial, loops, hidden.dtype)
         plan = self.plans.get(key)
@@ -378,29 +392,33 @@ class FusedDecode:
 
     def _plan(self, model: Any, cache: Any, loops: int, dtype: torch.dtype) -> Plan | str:
         from .loader import cuda_type, multiprocessors
+        from .ops_cuda import group_shift
 
-        config, storage, device = model.config, cache.storage, storage_device(cache)
+        config, storage, device = model.config, cache.storage, cache.storage.device
         layers = model.loop_layers
         fmt = layers[0].self_attn.q_proj.format
         H, F, D, Hq, Hkv = (config.hidden_size, config.intermediate_size, config.head_dim, config.num_attention_heads,
                             config.num_key_value_heads)  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
-        shapes = Shapes(H, F, Hq, Hkv, D, {K: _groups(fmt, K) for K in (H, Hq * D, F)}, not fmt.symmetric, itemsize,
+        shapes = Shapes(H, F, Hq, Hkv, D, {K: fmt.groups(K) for K in (H, Hq * D, F)}, not fmt.symmetric, itemsize,
                         config.rope_layout == "interleaved")  # fmt: skip
         # One CTA per SM, at most one per QKV pair unit and per gate/up quad: the LL buffers are reused safely only
         # because each phase's next writer depends on every CTA through those two phases.
         grid = min(multiprocessors(device), (Hq + 2 * Hkv) * D // 2, F // 4)
         if grid < Hkv:
             return f"fewer CTAs ({grid}) than KV heads ({Hkv})"
-        misaligned = [name for layer in layers for name in MATRICES for kind in KINDS
-                      if (t := getattr(getattr(layer.self_attn if name in MATRICES[:4] else layer.mlp, name), kind,
-                                       None)) is not None and t.data_ptr() % 16]  # fmt: skip
+        misaligned = [name for layer in layers for name, linear in zip(MATRICES, _linears(layer), strict=True)
+                      for kind in KINDS if getattr(linear, kind, None) is not None
+                      and getattr(linear, kind).data_ptr() % 16]  # fmt: skip
         if misaligned:
             return f"{misaligned[0]} tensors are not 16-byte aligned"
         plan = layout(shapes, grid, CHUNK_BYTES)
         if isinstance(plan, str):
             return plan
-        limit = _smem_limit(device) - 4096  # the kernel's static shared memory
+        gq = Hq // Hkv
+        maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
+        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}>"
+        limit = _smem_limit(device) - 4096  # less the kernel's static shared memory (3,456 bytes: ptxas, sm_90)
         if plan.smem_bytes > limit:
             return f"its shared memory ({plan.smem_bytes} bytes) exceeds the device's {limit}"
         counts = [batches(cta) for cta in plan.ctas]
@@ -426,8 +444,7 @@ class FusedDecode:
             slots.append(slot)
             pages = storage.slot(slot)
             app = apps[index]
-            for m, name in enumerate(MATRICES):
-                linear = getattr(layer.self_attn if m < 4 else layer.mlp, name)
+            for m, linear in enumerate(_linears(layer)):
                 for k, kind in enumerate(KINDS):
                     tensor = getattr(linear, kind, None)
                     app.mat[3 * m + k] = 0 if tensor is None else tensor.data_ptr()
@@ -469,7 +486,7 @@ class FusedDecode:
             keep.append(tensor)
             return tensor
 
-        S, gq = plan.splits, Hq // Hkv
+        S = plan.splits
         params = ParamsStruct()
         for name, value in dict(H=H, F=F, Hq=Hq, Hkv=Hkv, D=D, Gq=gq, apps=loops * len(layers), S=S, G=grid,
                                 mode=JUNCTION_MODES[config.block_norm],
@@ -504,17 +521,10 @@ class FusedDecode:
             target = params.slot[s]
             target.weights, target.scales, target.zeros = slot["weights"], slot["scales"], slot["zeros"]
             target.row_bytes, target.groups, target.rows_cap = slot["row_bytes"], slot["groups"], slot["rows_cap"]
-            width = fmt.group_width(2 * slot["row_bytes"])
-            target.group_shift = 31 if fmt.group_size is None else width.bit_length() - 1
+            target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
-        maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
-        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}>"
         return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.smem_bytes, slots)
-
-
-def storage_device(cache: Any) -> torch.device:
-    return cache.storage.device
 
 
 def _smem_limit(device: torch.device) -> int:

@@ -133,11 +133,6 @@ class CudaPath:
 
         self.fused = FusedDecode(model)  # batch-1 decode steps as one kernel where it serves them
 
-    def fused_decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, loops: int) -> Any:
-        """The decode step's (last hidden state, exit-gate logits) from the fused decode kernel, or None where it does
-        not serve the step (kernels/fused_decode.py says why)."""
-        return self.fused.run(hidden, cos, sin, cache, loops)
-
     # -- caches ------------------------------------------------------------------------------------------------------
 
     def new_cache(self, capacity: int | None) -> PagedTinyLoopCache:

@@ -468,7 +468,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         path = getattr(self, "_cuda_path", None)
         if path is None or hidden.shape[1] != 1 or context.cache is None:
             return None
-        return path.fused_decode(hidden, context.cos, context.sin, context.cache, loops)
+        return path.fused.run(hidden, context.cos, context.sin, context.cache, loops)
 
     def _run_loops(
         self,
