@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
-from tinyloop_hf.kernels import fused_decode, loader, ops_cuda
+from tinyloop_hf.kernels import attention_block, fused_decode, loader, ops_cuda
 
 from .bench import build_ours, ouro_config
 from .profile_decode import gpu_ms
@@ -94,8 +94,13 @@ def main() -> None:
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
+    parser.add_argument("--attention-block", action="store_true",
+                        help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")  # fmt: skip
+    parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
     args = parser.parse_args()
     fused_decode.FUSED_DECODE = args.fused_decode
+    attention_block.ATTENTION_BLOCK = args.attention_block
+    attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
@@ -119,6 +124,7 @@ def main() -> None:
     removed = f", without {' '.join(args.without)}" if args.without else ""
     kv = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
+    kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 
 

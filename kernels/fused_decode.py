@@ -488,13 +488,13 @@ class FusedDecode:
 
         S = plan.splits
         params = ParamsStruct()
-        for field, value in dict(H=H, F=F, Hq=Hq, Hkv=Hkv, D=D, Gq=gq, apps=loops * len(layers), S=S, G=grid,
+        for member, value in dict(H=H, F=F, Hq=Hq, Hkv=Hkv, D=D, Gq=gq, apps=loops * len(layers), S=S, G=grid,
                                 mode=JUNCTION_MODES[config.block_norm],
                                 final_every_loop=int(config.final_norm == "every_loop"),
                                 final_end=int(config.final_norm == "end"), rope_interleaved=int(shapes.interleaved),
                                 scale_bf16=int(layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16),
                                 midpoint=fmt.midpoint, chunk=CHUNK_BYTES, inflight=INFLIGHT).items():  # fmt: skip
-            setattr(params, field, value)
+            setattr(params, member, value)
         params.eps = config.rms_norm_eps
         params.scale_log2 = D**-0.5 * math.log2(math.e)
         params.block_table, params.lengths = storage.block_table.data_ptr(), storage.lengths.data_ptr()

@@ -22,6 +22,7 @@ from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
 from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
+from . import attention_block
 from .loader import (
     CUDA_TYPE,
     CudaPathUnavailable,
@@ -72,6 +73,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
                                for d in (PAGED_DIMS if full else (128,))],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
+        "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
+                               for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
+                               for s in (0, 1) if full or (d, g, w, s) == (128, 1, 12, 0)],
     }  # fmt: skip
 
 
@@ -473,6 +477,8 @@ def residual_norm(
 def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
     batch, steps, _ = x.shape
     rows = x.reshape(batch * steps, -1).contiguous()
+    if attention_block.refusal(module, rows, batch, steps, context.cache) is None:
+        return attention_block.attend(module, rows, context, slot).view(batch, steps, -1)
     layers = [module.q_proj, module.k_proj, module.v_proj]
 
     def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:

@@ -1,0 +1,134 @@
+"""Host side of attention_block.cu: the attention block of a batch-1 decode step (QKV + RoPE + K/V append, paged
+attention, o_proj) in one launch of thread-block clusters, one cluster per KV head.
+
+``refusal`` says why a step cannot take it (then the per-op kernels serve it: QKV GEMV, paged decode, O GEMV, all
+CUDA-path kernels); the choice depends on the model, the batch and the cache storage's capacity, never on the
+current length, so an eager step and a graph replayed at a later length run the same kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tinyloop_hf.paged_cache import PagedTinyLoopCache
+from tinyloop_hf.quant_tinyloop import QuantLinear
+
+from .loader import cuda_type, f32, i32, kernel, launch, ptr, sm90_or_newer
+
+# Off by default: not yet faster. H200, Ouro-1.4B shape, INT4, L = 4, batch 1, 192 cached tokens, graph replay:
+# 3.69-3.72 ms per step against 2.82 with the three per-op kernels, at a revision with one 24-warp CTA per SM. Its
+# phase trace (eval/attention_block_profile.py) showed the CTAs of a launch starting up to 11.5 us apart: 16 clusters
+# of 8 one-CTA-per-SM CTAs did not all fit on the GPU at once. The current revision (12 warps of 4 rows, 2 CTAs per
+# SM) has not run on a GPU yet (eval/results/BENCH.md, sixteenth session). On for experiments and its GPU tests.
+ATTENTION_BLOCK = False
+# Launched programmatically inside graphs: the L2 prefetch of the cached K/V and o_proj slice, and the QKV weights'
+# first loads, overlap the junction kernel before it.
+PROGRAMMATIC = True
+CLUSTER = 8  # attention_block.cu's CTAs per KV head
+# Longest cache capacity served: each CTA attends capacity / CLUSTER tokens, where paged decode spreads a long
+# context over more clusters.
+MAX_TOKENS = 1024
+WARPS = (4, 8, 12, 16)  # warps per CTA: the fewest that give each warp one QKV task (two pairs; at most 16)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Profiling (eval/attention_block_profile.py): int64 [launches][KV heads * CLUSTER][8] of %globaltimer stamps, one
+# launch's slice per eager launch while set; None (the default) passes no trace.
+trace: torch.Tensor | None = None
+trace_launches = 0
+
+
+def _trace_slot(kv_heads: int) -> torch.Tensor | None:
+    global trace_launches
+    if trace is None:
+        return None
+    width = kv_heads * CLUSTER * 8
+    slot = trace[trace_launches * width : (trace_launches + 1) * width]
+    trace_launches += 1
+    return slot if slot.numel() == width else None
+
+
+def _model_refusal(module: Any, dtype: torch.dtype) -> tuple[str | None, int]:
+    """(why the attention module cannot take the kernel, None if it can; warps per CTA)."""
+    config = module.config
+    layers = [getattr(module, name) for name in _PROJECTIONS]
+    if not all(isinstance(layer, QuantLinear) and layer.format.bits == 4 and layer.bias is None for layer in layers):
+        return "it serves INT4 q/k/v/o projections without bias", 0
+    if len({layer.format for layer in layers}) != 1 or len({layer.scales.dtype for layer in layers}) != 1:
+        return "it needs one quantization format for q, k, v and o", 0
+    if dtype not in (torch.float16, torch.bfloat16) or not sm90_or_newer(layers[0].qweight.device):
+        return "it needs fp16/bf16 activations on sm_90+ (thread-block clusters)", 0
+    heads, kv_heads, dim, hidden = (config.num_attention_heads, config.num_key_value_heads, module.head_dim,
+                                    config.hidden_size)  # fmt: skip
+    group = heads // kv_heads
+    slice_chunks = group * dim // 32  # o_proj columns of one KV group, in 32-column chunks
+    group_size = layers[3].format.group_size
+    if (dim not in (64, 128) or heads % kv_heads or group > 8 or ((group + 2) * dim // 4) % CLUSTER
+            or hidden % (32 * CLUSTER) or slice_chunks & (slice_chunks - 1) or slice_chunks > 32
+            or (group_size is not None and (group * dim) % group_size)):  # fmt: skip
+        return f"head_dim {dim}, {heads} heads / {kv_heads} KV heads, hidden {hidden}: outside its work split", 0
+    tasks = (group + 2) * dim // 4 // CLUSTER  # QKV tasks (4 rows) per CTA
+    warps = next((w for w in WARPS if w >= tasks), WARPS[-1])
+    if shared_bytes(group, dim, warps, torch.finfo(dtype).bits // 8) > 48 * 1024:
+        return "its shared memory exceeds 48 KiB", 0
+    return None, warps
+
+
+def refusal(module: Any, rows: torch.Tensor, batch: int, steps: int, cache: Any) -> str | None:
+    """Why this attention step cannot run as one attention_block launch (None: it can)."""
+    if not ATTENTION_BLOCK:
+        return "switched off (attention_block.ATTENTION_BLOCK)"
+    if batch * steps != 1:
+        return "it serves one decode token (batch 1)"
+    if not isinstance(cache, PagedTinyLoopCache) or cache.storage is None:
+        return "it needs a paged cache"
+    storage = cache.storage
+    if storage.int8 or storage.batch != 1 or storage.capacity > MAX_TOKENS:
+        return f"it serves 16-bit K/V of one row, up to {MAX_TOKENS} tokens of capacity"
+    checks = module.__dict__.setdefault("_attention_block_refusals", {})
+    if rows.dtype not in checks:
+        checks[rows.dtype] = _model_refusal(module, rows.dtype)
+    return checks[rows.dtype][0]
+
+
+def shared_bytes(group: int, dim: int, warps: int, itemsize: int) -> int:
+    """attention_block.cu's dynamic shared memory: mine, full, per-warp states, the CTA state, the output in T."""
+    values = (group + 2) * dim
+    floats = 2 * values + warps * group * (dim + 2) + group * dim + (2 * group + 3) // 4 * 4
+    return 4 * floats + group * dim * itemsize
+
+
+def attend(module: Any, rows: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
+    """The o_proj output [1, hidden] of attention over the normed input ``rows`` [1, hidden] (see refusal)."""
+    config, cache = module.config, context.cache
+    storage = cache.storage
+    cache.mark_written(slot)
+    k_pages, v_pages = storage.slot(slot)[:2]
+    q, k, v, o = (getattr(module, name) for name in _PROJECTIONS)
+    fmt, hidden = q.format, config.hidden_size
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
+    group = heads // kv_heads
+    warps = module.__dict__["_attention_block_refusals"][rows.dtype][1]
+    counters = module.__dict__.get("_attention_block_counters")
+    if counters is None or counters.device != rows.device:
+        counters = module.__dict__["_attention_block_counters"] = torch.zeros(
+            CLUSTER, dtype=torch.int32, device=rows.device
+        )
+    partials = torch.empty(kv_heads * hidden, dtype=torch.float32, device=rows.device)
+    out = torch.empty(1, hidden, dtype=rows.dtype, device=rows.device)
+    shift = 31 if fmt.group_size is None else fmt.group_size.bit_length() - 1
+    matrices = [ptr(getattr(layer, name, None)) for layer in (q, k, v, o) for name in ("qweight", "scales", "zeros")]
+    args = (ptr(rows), *matrices, i32(hidden), i32(shift), i32(fmt.groups(hidden)), i32(fmt.groups(heads * dim)),
+            i32(fmt.midpoint), ptr(context.cos.contiguous()),
+            ptr(context.sin.contiguous()), i32(0 if config.rope_layout == "rotate_half" else 1), ptr(k_pages),
+            ptr(v_pages), ptr(storage.block_table), ptr(cache.step_positions), ptr(storage.lengths),
+            ptr(storage.starts), ptr(partials), ptr(counters), ptr(out), i32(heads), i32(kv_heads),
+            f32(module.scaling * math.log2(math.e)), ptr(_trace_slot(kv_heads)))  # fmt: skip
+    maxg = next(g for g in (1, 2, 4, 8) if g >= group)
+    scale_bf16 = int(q.scales.dtype == torch.bfloat16)
+    name = f"ablock::attention_block<{cuda_type(rows.dtype)}, {dim}, {maxg}, {warps}, {scale_bf16}>"
+    smem = shared_bytes(group, dim, warps, rows.element_size())
+    launch(kernel("attention_block.cu", name), (kv_heads, 1, CLUSTER), (32 * warps,), args, shared_mem=smem,
+           dependent=PROGRAMMATIC, cluster=CLUSTER)  # fmt: skip
+    return out
