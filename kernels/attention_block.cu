@@ -18,6 +18,7 @@
 // graph's replay), so with programmatic launch they load while the junction kernel before it runs.
 #include "gemv_rows.cuh"
 #include "cluster.cuh"
+#include "attend_step.cuh"
 
 namespace ablock {
 
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
     int Hkv, float scale_log2, unsigned long long* trace) {
     pdl_trigger();
     // Profiling (eval/attention_block_profile.py; null otherwise): %globaltimer (ns, one clock for all SMs) at
-    // point k of this CTA, [CTA][8].
+    // point k of this CTA, [CTA][8]. (Stamp 0 is written before pdl_wait: no kernel before this one touches it.)
     auto mark = [&](int k) {
         if (trace != nullptr && threadIdx.x == 0) {
             unsigned long long now;
@@ -52,6 +53,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
         }
     };
     mark(0);
+    static_assert(WARPS % 2 == 0, "the shared-memory offset of `attn` is 16-byte aligned for an even warp count");
     constexpr int THREADS = WARPS * 32;
     constexpr int per_token = D / 8, subs = THREADS / per_token;
     extern __shared__ __align__(16) float smem[];
@@ -71,6 +73,10 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
     // Lengths, starts, positions and block tables are filled before the step (before a graph's replay): read before
     // the wait. (Read again after the projection instead of kept: live across it they cost row_dots registers.)
     const int rows_per_rank = H / CLUSTER, slice = G * D, chunks_per_row = slice / 32, words_o = Hq * D / 8;
+    // The page slot of token t of this KV head (16-token pages [blocks][Hkv][16][D]).
+    auto slot_of = [&](int t) {
+        return (static_cast<long long>(block_table[t / PAGE]) * Hkv + h) * PAGE + (t & (PAGE - 1));
+    };
     auto split_of = [&](int length, int& t0, int& n) {  // this rank's tokens [t0, t0 + n)
         const int span = (length + CLUSTER - 1) / CLUSTER;
         t0 = rank * span;
@@ -85,7 +91,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
         for (int i = threadIdx.x; i < n * LINES; i += THREADS) {
             const int t = t0 + i / LINES;
             if (t >= length - 1 || t < start) continue;
-            const long long slot = (static_cast<long long>(block_table[t / PAGE]) * Hkv + h) * PAGE + (t & (PAGE - 1));
+            const long long slot = slot_of(t);
             const int line = (i % LINES) * (128 / static_cast<int>(sizeof(T)));
             prefetch_l2(k_pages + slot * D + line);
             prefetch_l2(v_pages + slot * D + line);
@@ -138,9 +144,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
             mine[index + d0] = to_float(v0);
             mine[index + d1] = to_float(v1);
             if (which > 0) {
-                const int position = __ldg(positions);
-                const long long slot = (static_cast<long long>(__ldg(block_table + position / PAGE)) * Hkv + h) * PAGE +
-                                       position % PAGE;
+                const long long slot = slot_of(__ldg(positions));
                 T* pages = which == 1 ? k_pages : v_pages;
                 pages[slot * D + d0] = v0;
                 pages[slot * D + d1] = v1;
@@ -148,6 +152,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
         }
     }
     mark(1);
+    pdl_wait();  // (row_dots waited already; warps without a task wait here, before they read x's kernel's outputs)
     cluster_barrier();
     mark(2);
 
@@ -183,98 +188,23 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
             const int i = base + u * subs + sub, t = t0 + i;
             k_raw[u] = v_raw[u] = make_uint4(0u, 0u, 0u, 0u);
             if (i < n && t != new_token && t >= start) {
-                const long long slot = (static_cast<long long>(block_table[t / PAGE]) * Hkv + h) * PAGE + (t & (PAGE - 1));
+                const long long slot = slot_of(t);
                 k_raw[u] = *reinterpret_cast<const uint4*>(k_pages + slot * D + offset);
                 v_raw[u] = *reinterpret_cast<const uint4*>(v_pages + slot * D + offset);
             }
         }
-        float s[UNROLL][MAXG];
+        bool from_new[UNROLL], attended[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int i = base + u * subs + sub, t = t0 + i;
-            const bool valid = i < n && t >= start;
-            float k[8];
-            if (t == new_token) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) k[e] = k_new[offset + e];
-            } else {
-                unpack8_as_float<T>(k_raw[u], k);
-            }
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                float dot = 0.0f;
-                if (g < G) {
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * k[e];
-                }
-#pragma unroll
-                for (int width = per_token / 2; width > 0; width >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, width);
-                s[u][g] = valid && g < G ? dot : -TL_INF;
-            }
+            from_new[u] = t == new_token;
+            attended[u] = i < n && t >= start;
         }
-#pragma unroll
-        for (int g = 0; g < MAXG; ++g) {
-            float top = m[g];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) top = fmaxf(top, s[u][g]);
-            const float rescale = top == -TL_INF ? 1.0f : exp2f(m[g] - top);
-            l[g] *= rescale;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) o[g][e] *= rescale;
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                s[u][g] = top == -TL_INF ? 0.0f : exp2f(s[u][g] - top);
-                l[g] += s[u][g];
-            }
-            m[g] = top;
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = t0 + base + u * subs + sub;
-            float v[8];
-            if (t == new_token) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = v_new[offset + e];
-            } else {
-                unpack8_as_float<T>(v_raw[u], v);
-            }
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[g][e] = fmaf(s[u][g], v[e], o[g][e]);
-        }
+        attend_step<T, D, MAXG, UNROLL>(k_raw, v_raw, from_new, attended, q_s, k_new, v_new, G, offset, m, l, o);
     }
     // The subs of a warp (lanes with the same offset) merged with shuffles, then the warps in shared memory.
-#pragma unroll
-    for (int width = per_token; width < 32; width <<= 1) {
-#pragma unroll
-        for (int g = 0; g < MAXG; ++g) {
-            const float m_other = __shfl_xor_sync(0xffffffffu, m[g], width);
-            const float l_other = __shfl_xor_sync(0xffffffffu, l[g], width);
-            const float top = fmaxf(m[g], m_other);
-            const float w_self = merge_weight(m[g], top), w_other = merge_weight(m_other, top);
-            l[g] = l[g] * w_self + l_other * w_other;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float o_other = __shfl_xor_sync(0xffffffffu, o[g][e], width);
-                o[g][e] = o[g][e] * w_self + o_other * w_other;
-            }
-            m[g] = top;
-        }
-    }
-    if (lane < per_token) {
-#pragma unroll
-        for (int g = 0; g < MAXG; ++g) {
-            if (g < G) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) warp_o[(warp * G + g) * D + offset + e] = o[g][e];
-                if (lane == 0) {
-                    warp_ml[(warp * G + g) * 2] = m[g];
-                    warp_ml[(warp * G + g) * 2 + 1] = l[g];
-                }
-            }
-        }
-    }
+    merge_warp_states<MAXG, per_token>(m, l, o);
+    store_warp_state<D, MAXG>(m, l, o, G, lane, warp_o + warp * G * D, warp_ml + warp * G * 2);
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += THREADS) {
         const int g = idx / D;
@@ -298,24 +228,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
     cluster_barrier();
     for (int idx = threadIdx.x; idx < G * D; idx += THREADS) {
         const int g = idx / D;
-        float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
-#pragma unroll
-        for (int c = 0; c < CLUSTER; ++c) {  // every peer load in flight together
-            mc[c] = load_peer_shared(cta_ml + 2 * g, c);
-            lc[c] = load_peer_shared(cta_ml + 2 * g + 1, c);
-            oc[c] = load_peer_shared(cta_o + idx, c);
-        }
-        float top = -TL_INF;
-#pragma unroll
-        for (int c = 0; c < CLUSTER; ++c) top = fmaxf(top, mc[c]);
-        float acc = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CLUSTER; ++c) {
-            const float weight = merge_weight(mc[c], top);
-            acc += oc[c] * weight;
-            sum += lc[c] * weight;
-        }
-        attn[idx] = from_float<T>(acc / sum);
+        attn[idx] = from_float<T>(cluster_merged<CLUSTER>(cta_ml, cta_o, g, idx));
     }
     cluster_barrier();  // every peer has read this CTA's state (and `attn` is complete)
     mark(4);

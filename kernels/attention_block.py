@@ -31,7 +31,10 @@ CLUSTER = 8  # attention_block.cu's CTAs per KV head
 # Longest cache capacity served: each CTA attends capacity / CLUSTER tokens, where paged decode spreads a long
 # context over more clusters.
 MAX_TOKENS = 1024
-WARPS = (4, 8, 12, 16)  # warps per CTA: the fewest that give each warp one QKV task (two pairs; at most 16)
+# Warps per CTA: the fewest that give each warp one QKV task (two RoPE pairs), at most 12 (more tasks: a warp loops).
+# Bounded to 2 CTAs per SM (80 registers), so that every cluster of a launch fits at once.
+WARPS = (4, 8, 12)
+_STATIC_SHARED = 1024  # bytes of the kernel's static shared memory (matrices, is_last: 80 by ptxas), with margin
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # Profiling (eval/attention_block_profile.py): int64 [launches][KV heads * CLUSTER][8] of %globaltimer stamps, one
 # launch's slice per eager launch while set; None (the default) passes no trace.
@@ -64,13 +67,14 @@ def _model_refusal(module: Any, dtype: torch.dtype) -> tuple[str | None, int]:
     group = heads // kv_heads
     slice_chunks = group * dim // 32  # o_proj columns of one KV group, in 32-column chunks
     group_size = layers[3].format.group_size
-    if (dim not in (64, 128) or heads % kv_heads or group > 8 or ((group + 2) * dim // 4) % CLUSTER
+    # Query heads per KV head <= 4: at 80 registers a thread's 8 dims of o for 8 query vectors would spill.
+    if (dim not in (64, 128) or heads % kv_heads or group > 4 or ((group + 2) * dim // 4) % CLUSTER
             or hidden % (32 * CLUSTER) or slice_chunks & (slice_chunks - 1) or slice_chunks > 32
             or (group_size is not None and (group * dim) % group_size)):  # fmt: skip
         return f"head_dim {dim}, {heads} heads / {kv_heads} KV heads, hidden {hidden}: outside its work split", 0
     tasks = (group + 2) * dim // 4 // CLUSTER  # QKV tasks (4 rows) per CTA
     warps = next((w for w in WARPS if w >= tasks), WARPS[-1])
-    if shared_bytes(group, dim, warps, torch.finfo(dtype).bits // 8) > 48 * 1024:
+    if shared_bytes(group, dim, warps, torch.finfo(dtype).bits // 8) > 48 * 1024 - _STATIC_SHARED:
         return "its shared memory exceeds 48 KiB", 0
     return None, warps
 
@@ -84,12 +88,15 @@ def refusal(module: Any, rows: torch.Tensor, batch: int, steps: int, cache: Any)
     if not isinstance(cache, PagedTinyLoopCache) or cache.storage is None:
         return "it needs a paged cache"
     storage = cache.storage
-    if storage.int8 or storage.batch != 1 or storage.capacity > MAX_TOKENS:
-        return f"it serves 16-bit K/V of one row, up to {MAX_TOKENS} tokens of capacity"
+    if storage.int8 or storage.batch != 1 or storage.capacity > MAX_TOKENS or storage.dtype != rows.dtype:
+        return f"it serves 16-bit K/V of one row in the activation dtype, up to {MAX_TOKENS} tokens of capacity"
+    if rows.data_ptr() % 16:
+        return "its input row is not 16-byte aligned"
     checks = module.__dict__.setdefault("_attention_block_refusals", {})
-    if rows.dtype not in checks:
-        checks[rows.dtype] = _model_refusal(module, rows.dtype)
-    return checks[rows.dtype][0]
+    key = (rows.dtype, rows.device)
+    if key not in checks:
+        checks[key] = _model_refusal(module, rows.dtype)
+    return checks[key][0]
 
 
 def shared_bytes(group: int, dim: int, warps: int, itemsize: int) -> int:
@@ -109,19 +116,21 @@ def attend(module: Any, rows: torch.Tensor, context: Any, slot: int) -> torch.Te
     fmt, hidden = q.format, config.hidden_size
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
     group = heads // kv_heads
-    warps = module.__dict__["_attention_block_refusals"][rows.dtype][1]
+    warps = module.__dict__["_attention_block_refusals"][(rows.dtype, rows.device)][1]
     counters = module.__dict__.get("_attention_block_counters")
     if counters is None or counters.device != rows.device:
+        if torch.cuda.is_current_stream_capturing():  # a zero-fill would only be recorded, not run
+            raise RuntimeError("attention_block's counters are allocated by an eager step before graphs are captured")
         counters = module.__dict__["_attention_block_counters"] = torch.zeros(
             CLUSTER, dtype=torch.int32, device=rows.device
         )
+    cos, sin = context.cos.contiguous(), context.sin.contiguous()  # kept alive until the launch is queued
     partials = torch.empty(kv_heads * hidden, dtype=torch.float32, device=rows.device)
     out = torch.empty(1, hidden, dtype=rows.dtype, device=rows.device)
     shift = 31 if fmt.group_size is None else fmt.group_size.bit_length() - 1
     matrices = [ptr(getattr(layer, name, None)) for layer in (q, k, v, o) for name in ("qweight", "scales", "zeros")]
     args = (ptr(rows), *matrices, i32(hidden), i32(shift), i32(fmt.groups(hidden)), i32(fmt.groups(heads * dim)),
-            i32(fmt.midpoint), ptr(context.cos.contiguous()),
-            ptr(context.sin.contiguous()), i32(0 if config.rope_layout == "rotate_half" else 1), ptr(k_pages),
+            i32(fmt.midpoint), ptr(cos), ptr(sin), i32(0 if config.rope_layout == "rotate_half" else 1), ptr(k_pages),
             ptr(v_pages), ptr(storage.block_table), ptr(cache.step_positions), ptr(storage.lengths),
             ptr(storage.starts), ptr(partials), ptr(counters), ptr(out), i32(heads), i32(kv_heads),
             f32(module.scaling * math.log2(math.e)), ptr(_trace_slot(kv_heads)))  # fmt: skip

@@ -1,5 +1,5 @@
-// Thread-block cluster helpers (sm_90+) and the softmax-state merge weight, shared by paged_attention.cu and
-// attention_block.cu.
+// Thread-block cluster helpers (sm_90+) and the merges of partial softmax states, shared by paged_attention.cu,
+// attention_block.cu and fused_decode.cu.
 #pragma once
 #include "common.cuh"
 
@@ -35,3 +35,51 @@ __device__ __forceinline__ float load_peer_shared(const float* p, unsigned rank)
 // The weight 2^(m - top) of a partial softmax state with running max m in a merge whose overall max is top (an empty
 // state, m = -inf, weighs 0). Used by the three merges: subs within a CTA, peers of a cluster, splits in global memory.
 __device__ __forceinline__ float merge_weight(float m, float top) { return m == -TL_INF ? 0.0f : exp2f(m - top); }
+
+// The online-softmax states (running max m, sum l, 8 output dims o per query vector) of the lanes of a warp that hold
+// the same 8 dims (groups of PER_TOKEN lanes, each group serving other tokens), merged with shuffles: afterwards every
+// lane holds its dims' state over the whole warp. Every lane of the warp calls it (full-mask shuffles).
+template <int MAXG, int PER_TOKEN>
+__device__ __forceinline__ void merge_warp_states(float (&m)[MAXG], float (&l)[MAXG], float (&o)[MAXG][8]) {
+#pragma unroll
+    for (int width = PER_TOKEN; width < 32; width <<= 1) {
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            const float m_other = __shfl_xor_sync(0xffffffffu, m[g], width);
+            const float l_other = __shfl_xor_sync(0xffffffffu, l[g], width);
+            const float top = fmaxf(m[g], m_other);
+            const float w_self = merge_weight(m[g], top), w_other = merge_weight(m_other, top);
+            l[g] = l[g] * w_self + l_other * w_other;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float o_other = __shfl_xor_sync(0xffffffffu, o[g][e], width);
+                o[g][e] = o[g][e] * w_self + o_other * w_other;
+            }
+            m[g] = top;
+        }
+    }
+}
+
+// Output element idx (of query vector g) of a cluster's attention: the CLUSTER CTAs' states (cta_ml [V][2] and cta_o
+// [V * D], at the same shared-memory addresses in every CTA) merged and normalized, every peer load in flight at once.
+template <int CLUSTER>
+__device__ __forceinline__ float cluster_merged(const float* cta_ml, const float* cta_o, int g, int idx) {
+    float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
+#pragma unroll
+    for (int c = 0; c < CLUSTER; ++c) {
+        mc[c] = load_peer_shared(cta_ml + 2 * g, c);
+        lc[c] = load_peer_shared(cta_ml + 2 * g + 1, c);
+        oc[c] = load_peer_shared(cta_o + idx, c);
+    }
+    float top = -TL_INF;
+#pragma unroll
+    for (int c = 0; c < CLUSTER; ++c) top = fmaxf(top, mc[c]);
+    float o = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CLUSTER; ++c) {
+        const float w = merge_weight(mc[c], top);
+        o += oc[c] * w;
+        sum += lc[c] * w;
+    }
+    return o / sum;
+}

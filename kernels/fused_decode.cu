@@ -16,6 +16,8 @@
 #include "gemv_dot.cuh"
 #include "norm.cuh"
 #include "tma.cuh"
+#include "cluster.cuh"
+#include "attend_step.cuh"
 
 namespace fused {
 
@@ -619,95 +621,20 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             }
             for (int base = 0; base < n; base += UNROLL * subs) {
                 if (base > 0) load_step(base);
-                float s[UNROLL][MAXG];
-                float kf[UNROLL][8];
+                bool from_new[UNROLL], attended[UNROLL];
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     const int i = base + u * subs + sub, t = t0 + i;
-                    const bool valid = in_sub && i < n && t >= start;
-                    if (t == new_token) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) kf[u][e] = k_new[offset + e];
-                    } else {
-                        unpack8_as_float<T>(k_raw[u], kf[u]);
-                    }
-#pragma unroll
-                    for (int g = 0; g < MAXG; ++g) {
-                        float dot = 0.0f;
-                        if (g < Gq) {
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) dot += q_s[g * D + offset + e] * kf[u][e];
-                        }
-#pragma unroll
-                        for (int width = per_token / 2; width > 0; width >>= 1)
-                            dot += __shfl_xor_sync(0xffffffffu, dot, width);
-                        s[u][g] = valid && g < Gq ? dot : -TL_INF;
-                    }
+                    from_new[u] = t == new_token;
+                    attended[u] = in_sub && i < n && t >= start;
                 }
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    float top = m[g];
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) top = fmaxf(top, s[u][g]);
-                    const float rescale = top == -TL_INF ? 1.0f : exp2f(m[g] - top);
-                    l[g] *= rescale;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) o[g][e] *= rescale;
-#pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) {
-                        s[u][g] = top == -TL_INF ? 0.0f : exp2f(s[u][g] - top);
-                        l[g] += s[u][g];
-                    }
-                    m[g] = top;
-                }
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const int i = base + u * subs + sub, t = t0 + i;
-                    float vf[8];
-                    if (t == new_token) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) vf[e] = v_new[offset + e];
-                    } else {
-                        unpack8_as_float<T>(v_raw[u], vf);
-                    }
-#pragma unroll
-                    for (int g = 0; g < MAXG; ++g)
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) o[g][e] = fmaf(s[u][g], vf[e], o[g][e]);
-                }
+                attend_step<T, D, MAXG, UNROLL>(k_raw, v_raw, from_new, attended, q_s, k_new, v_new, Gq, offset, m, l,
+                                                o);
             }
             // The subs of a warp (lanes with the same offset) merged with shuffles, then the warps in shared memory.
-#pragma unroll
-            for (int width = per_token; width < 32; width <<= 1) {
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    const float m_other = __shfl_xor_sync(0xffffffffu, m[g], width);
-                    const float l_other = __shfl_xor_sync(0xffffffffu, l[g], width);
-                    const float top = fmaxf(m[g], m_other);
-                    const float w_self = top == -TL_INF ? 0.0f : exp2f(m[g] - top);
-                    const float w_other = top == -TL_INF ? 0.0f : exp2f(m_other - top);
-                    l[g] = l[g] * w_self + l_other * w_other;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        const float o_other = __shfl_xor_sync(0xffffffffu, o[g][e], width);
-                        o[g][e] = o[g][e] * w_self + o_other * w_other;
-                    }
-                    m[g] = top;
-                }
-            }
-            if (lane < per_token) {
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    if (g < Gq) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) warp_o[(cwarp * MAXG + g) * D + offset + e] = o[g][e];
-                        if (lane == 0) {
-                            warp_ml[(cwarp * MAXG + g) * 2] = m[g];
-                            warp_ml[(cwarp * MAXG + g) * 2 + 1] = l[g];
-                        }
-                    }
-                }
-            }
+            merge_warp_states<MAXG, per_token>(m, l, o);
+            store_warp_state<D, MAXG>(m, l, o, Gq, lane, warp_o + cwarp * MAXG * D,
+                                      warp_ml + cwarp * MAXG * 2);
             consumers_sync();
             const unsigned part_seq = seq_of(epoch, apps, a, PH_PART);
             uint2* part = P.part_ll + static_cast<long long>(h * S + split) * Gq * (D + 2);

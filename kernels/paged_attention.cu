@@ -305,24 +305,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
             const int idx = rank * share + j;
             if (idx >= V * D) break;
             const int g = idx / D, d = idx % D;
-            float mc[CLUSTER], lc[CLUSTER], oc[CLUSTER];
-#pragma unroll
-            for (int c = 0; c < CLUSTER; ++c) {  // every peer load in flight together
-                mc[c] = load_peer_shared(cta_ml + 2 * g, c);
-                lc[c] = load_peer_shared(cta_ml + 2 * g + 1, c);
-                oc[c] = load_peer_shared(q_s + idx, c);
-            }
-            float top = -TL_INF;
-#pragma unroll
-            for (int c = 0; c < CLUSTER; ++c) top = fmaxf(top, mc[c]);
-            float o = 0.0f, sum = 0.0f;
-#pragma unroll
-            for (int c = 0; c < CLUSTER; ++c) {
-                const float w = merge_weight(mc[c], top);
-                o += oc[c] * w;
-                sum += lc[c] * w;
-            }
-            out[row_of(g) * D + d] = from_float<T>(o / sum);
+            out[row_of(g) * D + d] = from_float<T>(cluster_merged<CLUSTER>(cta_ml, q_s, g, idx));
         }
         cluster_barrier();  // a CTA's shared memory stays until every peer has read it
         return;

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny configs for every architecture variant, a byte tokenizer, fixture paths."""
+"""Shared test helpers: tiny configs for every architecture variant, a byte tokenizer, fixture paths, decode-step
+logits."""
 
 from __future__ import annotations
 
@@ -101,3 +102,13 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     eos = table[0]
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos, bos_token=None)
+
+
+def decode_logits(model, ids: torch.Tensor, prompt: int, cache) -> torch.Tensor:
+    """fp32 logits [B, 1 + steps, V]: the last prompt token's (``ids[:, :prompt]`` as one forward), then each
+    following token's, fed one decode step at a time through ``cache``."""
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(steps, 1).float()

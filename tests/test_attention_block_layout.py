@@ -32,7 +32,10 @@ def _owner(index: int, dim: int, tasks_per_cta: int, layout: int) -> int:
     return (m * quarter + jj) // tasks_per_cta
 
 
-@pytest.mark.parametrize("dim, group", [(128, 1), (64, 4), (128, 2), (64, 1)])
+SERVED = [(128, 1), (128, 2), (128, 4), (64, 1), (64, 2), (64, 4)]  # (head_dim, query heads per KV head)
+
+
+@pytest.mark.parametrize("dim, group", SERVED)
 @pytest.mark.parametrize("layout", [0, 1])
 def test_tasks_cover_the_group_once_and_the_gather_reads_the_writer(dim, group, layout):
     tasks_per_cta = (group + 2) * dim // 4 // CLUSTER
@@ -49,8 +52,8 @@ def test_tasks_cover_the_group_once_and_the_gather_reads_the_writer(dim, group, 
     assert all(_owner(i, dim, tasks_per_cta, layout) == rank for i, rank in written.items())
 
 
-def test_shared_memory_fits_two_ctas_per_sm_at_the_served_shapes():
-    for dim, group in [(128, 1), (64, 4), (128, 2), (64, 1)]:
+def test_shared_memory_stays_under_the_default_48_kib_at_the_served_shapes():
+    for dim, group in SERVED:
         tasks = (group + 2) * dim // 4 // CLUSTER
-        warps = next(w for w in attention_block.WARPS if w >= tasks)
-        assert attention_block.shared_bytes(group, dim, warps, 2) <= 48 * 1024
+        warps = next((w for w in attention_block.WARPS if w >= tasks), attention_block.WARPS[-1])
+        assert attention_block.shared_bytes(group, dim, warps, 2) <= 48 * 1024 - attention_block._STATIC_SHARED

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import decode_logits, tiny_model
 from tinyloop_hf import TinyLoopCache, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
 
@@ -20,10 +20,17 @@ if torch.cuda.is_available():
     if not sm90_or_newer():
         pytest.skip("the attention block kernel needs sm_90+ (thread-block clusters)", allow_module_level=True)
 
-# hidden 512: head_dim 128 (MHA) or 64 with 4 query heads per KV head.
+# Model shapes the kernel serves: (architecture variant, overrides). hidden 512: head_dim 128 (MHA, one QKV task per
+# warp) or 64 with 4 query heads per KV head; huginn without its q/k bias: interleaved RoPE, and a prelude and a coda
+# block; hidden 1024 with 4 query heads per KV head at head_dim 128: two QKV tasks per warp.
 SHAPES = {
-    "ouro": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4),
-    "llama": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2),
+    "ouro": ("ouro", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4)),
+    "llama": ("llama", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)),
+    "huginn": ("huginn", dict(hidden_size=512, intermediate_size=1024, num_attention_heads=4, attention_bias="none")),
+    "llama-wide": (
+        "llama",
+        dict(hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2),
+    ),  # fmt: skip
 }
 QUANTS = {
     "int4-g32": TinyLoopQuantConfig(bits=4, group_size=32),
@@ -31,18 +38,17 @@ QUANTS = {
 }
 
 
-def _model(variant, quant="int4-g32", dtype=torch.bfloat16, **overrides):
-    model = tiny_model(variant, **{**SHAPES[variant], **overrides})
+def _model(shape, quant="int4-g32", dtype=torch.bfloat16, **overrides):
+    variant, sizes = SHAPES[shape]
+    model = tiny_model(variant, **{**sizes, **overrides})
     quantize_model(model, QUANTS[quant], progress=False)
     return model.to("cuda", dtype)
 
 
-def _decode_logits(model, ids, prompt, cache):
-    with torch.no_grad():
-        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
-        for t in range(prompt, ids.shape[1]):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(steps, 1).float()
+def _attention_calls(config, decode_steps):
+    """attention_block launches of ``decode_steps`` batch-1 decode steps: one per attention block application."""
+    blocks = config.num_prelude_layers + config.num_loops * config.num_loop_layers + config.num_coda_layers
+    return decode_steps * blocks
 
 
 @pytest.fixture
@@ -74,19 +80,19 @@ def launches(monkeypatch):
 @pytest.mark.parametrize(
     "variant, quant, dtype",
     [("ouro", "int4-g32", torch.bfloat16), ("ouro", "int4-g32", torch.float16), ("llama", "int4-g32", torch.bfloat16),
-     ("llama", "int4-g128-sym-bf16", torch.float16), ("ouro", "int4-g128-sym-bf16", torch.bfloat16)],
+     ("llama", "int4-g128-sym-bf16", torch.float16), ("ouro", "int4-g128-sym-bf16", torch.bfloat16),
+     ("huginn", "int4-g32", torch.bfloat16), ("llama-wide", "int4-g32", torch.bfloat16)],
 )  # fmt: skip
 def test_attention_block_is_as_close_to_the_reference_as_the_per_op_kernels(variant, quant, dtype, launches):
     ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(4)).cuda()
     reference = _model(variant, quant, dtype)
-    want = _decode_logits(reference, ids, 21, TinyLoopCache(reference.config))
+    want = decode_logits(reference, ids, 21, TinyLoopCache(reference.config))
     plain = _model(variant, quant, dtype).use_cuda_path(cuda_graphs=False)
-    baseline = launches.off(_decode_logits, plain, ids, 21, plain.new_cache())
+    baseline = launches.off(decode_logits, plain, ids, 21, plain.new_cache())
     assert launches.count == 0
     fast = _model(variant, quant, dtype).use_cuda_path(cuda_graphs=False)
-    got = _decode_logits(fast, ids, 21, fast.new_cache())
-    config = fast.config
-    assert launches.count == (ids.shape[1] - 21) * config.num_loops * config.num_loop_layers  # every decode step
+    got = decode_logits(fast, ids, 21, fast.new_cache())
+    assert launches.count == _attention_calls(fast.config, ids.shape[1] - 21)  # every decode step
     scale = want.abs().max()
     per_op_error = (baseline - want).abs().max()
     assert (got - want).abs().max() <= 2 * per_op_error + 2e-3 * scale
@@ -100,9 +106,9 @@ def test_attention_block_over_many_cached_tokens(launches):
     kw = dict(max_position_embeddings=1024)
     plain = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     fast = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
-    baseline = launches.off(_decode_logits, plain, ids, 700, plain.new_cache())
-    got = _decode_logits(fast, ids, 700, fast.new_cache())
-    assert launches.count > 0
+    baseline = launches.off(decode_logits, plain, ids, 700, plain.new_cache())
+    got = decode_logits(fast, ids, 700, fast.new_cache())
+    assert launches.count == _attention_calls(fast.config, 4)
     assert (got - baseline).abs().max() <= 1e-2 * baseline.abs().max()
 
 
@@ -116,6 +122,24 @@ def test_attention_block_graphs_replay_the_eager_steps(launches):
     assert any(key[0] == "decode" for key in graphs._cuda_path.graphs) and launches.count > 0
     again = graphs.generate(ids, **kwargs)  # replayed again: the counters were reset by the last CTAs
     assert torch.equal(again.sequences, want.sequences)
+
+
+def test_a_left_padded_prompt_masks_its_padding(launches):
+    """Batch 1 with left padding (the cache's start > 0): the padded positions are never attended, as on the per-op
+    path."""
+    ids = torch.randint(1, 256, (1, 14), generator=torch.Generator().manual_seed(6)).cuda()
+    ids[:, :4] = 0
+    mask = torch.ones_like(ids)
+    mask[:, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                  output_scores=True)  # fmt: skip
+    plain = _model("ouro").use_cuda_path(cuda_graphs=False)
+    want = launches.off(lambda: plain.generate(ids, **kwargs))
+    fast = _model("ouro").use_cuda_path(cuda_graphs=False)
+    got = fast.generate(ids, **kwargs)
+    assert launches.count == _attention_calls(fast.config, 5)
+    want_scores, got_scores = torch.stack(want.scores).float(), torch.stack(got.scores).float()
+    assert (got_scores - want_scores).abs().max() <= 3e-2 * want_scores.abs().max()
 
 
 def test_steps_it_does_not_serve_run_on_the_per_op_kernels(launches):

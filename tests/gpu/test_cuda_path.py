@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from helpers import REFERENCE, VARIANTS, tiny_model
+from helpers import REFERENCE, VARIANTS, decode_logits, tiny_model
 from tinyloop_hf import PagedTinyLoopCache, TinyLoopCache, TinyLoopQuantConfig
 from tinyloop_hf.convert import build_model, read_source
 from tinyloop_hf.convert.quantize import quantize_model
@@ -33,14 +33,6 @@ def _model(variant, quant=None, dtype=torch.float16, **overrides):
 def _pair(variant, quant=None, dtype=torch.float16, **overrides):
     """(reference-path model, CUDA-path model) with the same weights on the GPU."""
     return _model(variant, quant, dtype, **overrides), _model(variant, quant, dtype, **overrides).use_cuda_path()
-
-
-def _decode_logits(model, ids, prompt, cache):
-    with torch.no_grad():
-        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
-        for t in range(prompt, ids.shape[1]):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(steps, 1)
 
 
 QUANTS = {
@@ -65,8 +57,8 @@ def test_cuda_path_matches_reference_path(variant, quant):
         want, got = reference(ids).logits, fast(ids).logits
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= 5e-3 * scale  # prefill: dequantize + cuBLAS, fused norms
-    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
-    got = _decode_logits(fast, ids, 6, fast.new_cache())
+    want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    got = decode_logits(fast, ids, 6, fast.new_cache())
     assert (got.float() - want.float()).abs().max() <= 1e-2 * scale  # decode: GEMV, paged attention
 
 
@@ -76,8 +68,8 @@ def test_int8_kv_cache_stays_close():
     ids = IDS.cuda()
     cache = fast.new_cache()
     assert isinstance(cache, PagedTinyLoopCache) and cache.kv_dtype == "int8"
-    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
-    got = _decode_logits(fast, ids, 6, cache)
+    want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    got = decode_logits(fast, ids, 6, cache)
     assert (got.float() - want.float()).abs().max() <= 3e-2 * want.float().abs().max()
     fp16_bytes = 2 * fast.config.num_key_value_heads * fast.config.head_dim * 2
     assert cache.bytes_per_token() == len(cache.storage.pages) * (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import tiny_model
+from helpers import decode_logits, tiny_model
 from tinyloop_hf import TinyLoopCache, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
 
@@ -34,14 +34,6 @@ def _model(variant, quant="int4-g32", dtype=torch.bfloat16, **overrides):
     model = tiny_model(variant, **{**SHAPES[variant], **overrides})
     quantize_model(model, QUANTS[quant], progress=False)
     return model.to("cuda", dtype)
-
-
-def _decode_logits(model, ids, prompt, cache):
-    with torch.no_grad():
-        steps = [model(ids[:, :prompt], past_key_values=cache, use_cache=True).logits[:, -1]]
-        for t in range(prompt, ids.shape[1]):
-            steps.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
-    return torch.stack(steps, 1).float()
 
 
 @pytest.fixture(autouse=True)
@@ -75,11 +67,11 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # 
 def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, per_op):
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(4)).cuda()
     reference = _model(variant, quant, dtype, **shape)
-    want = _decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
+    want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
     plain = _model(variant, quant, dtype, **shape).use_cuda_path(cuda_graphs=False)
-    baseline = per_op(_decode_logits, plain, ids, 6, plain.new_cache())
+    baseline = per_op(decode_logits, plain, ids, 6, plain.new_cache())
     fast = _model(variant, quant, dtype, **shape).use_cuda_path(cuda_graphs=False)
-    got = _decode_logits(fast, ids, 6, fast.new_cache())
+    got = decode_logits(fast, ids, 6, fast.new_cache())
     assert fast._cuda_path.fused.steps == ids.shape[1] - 6  # every decode step ran fused
     assert plain._cuda_path.fused.steps == 0
     scale = want.abs().max()
@@ -109,8 +101,8 @@ def test_fused_decode_over_many_cached_tokens(per_op):
     kw = dict(max_position_embeddings=2048)
     plain = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     fast = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
-    baseline = per_op(_decode_logits, plain, ids, 1296, plain.new_cache())
-    got = _decode_logits(fast, ids, 1296, fast.new_cache())
+    baseline = per_op(decode_logits, plain, ids, 1296, plain.new_cache())
+    got = decode_logits(fast, ids, 1296, fast.new_cache())
     assert fast._cuda_path.fused.steps == 4
     assert (got - baseline).abs().max() <= 1e-2 * baseline.abs().max()
     cache = fast.new_cache()
