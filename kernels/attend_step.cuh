@@ -3,6 +3,18 @@
 #pragma once
 #include "common.cuh"
 
+// An empty online-softmax state (no token yet): m = -inf, l = 0, o = 0.
+template <int MAXG>
+__device__ __forceinline__ void empty_states(float (&m)[MAXG], float (&l)[MAXG], float (&o)[MAXG][8]) {
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        m[g] = -TL_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
+    }
+}
+
 // The scores of UNROLL tokens against the G (<= MAXG) query vectors q_s [G][D] (shared memory, pre-scaled by
 // softmax_scale * log2(e)), the online-softmax update of (m, l) and the V accumulation into o. k_raw / v_raw: the
 // tokens' 8 elements in T as loaded; from_new[u]: token u is the step's new one, its K / V taken from k_new / v_new

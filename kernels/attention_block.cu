@@ -174,13 +174,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
     const int sub = threadIdx.x / per_token, offset = (threadIdx.x % per_token) * 8;
     const int new_token = length - 1;
     float m[MAXG], l[MAXG], o[MAXG][8];
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) {
-        m[g] = -TL_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
-    }
+    empty_states<MAXG>(m, l, o);
     for (int base = 0; base < n; base += UNROLL * subs) {
         uint4 k_raw[UNROLL], v_raw[UNROLL];
 #pragma unroll

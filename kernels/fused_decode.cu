@@ -612,13 +612,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             }
             consumers_sync();
             float m[MAXG], l[MAXG], o[MAXG][8];
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                m[g] = -TL_INF;
-                l[g] = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
-            }
+            empty_states<MAXG>(m, l, o);
             for (int base = 0; base < n; base += UNROLL * subs) {
                 if (base > 0) load_step(base);
                 bool from_new[UNROLL], attended[UNROLL];
