@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--replay", action="store_true", help="graph-replay times, fused and per-op")
     parser.add_argument("--no-math", action="store_true", help="the fused kernel without its projection loops")
     parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--splits", type=int, help="attention splits per KV head (fused_decode.SPLITS)")
     args = parser.parse_args()
+    fused_decode.SPLITS = args.splits
     if args.no_math:
         compile_without_math()
     torch.manual_seed(0)

@@ -23,6 +23,9 @@ import torch
 FUSED_DECODE = False
 CHUNK_BYTES = 16 * 1024  # a TMA batch: about this many bytes per ring mbarrier
 INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow every poll and barrier)
+# Attention splits per KV head (None: as many as the CTAs allow, 8 on the H200 at 16 KV heads). Fewer splits attend
+# longer on fewer CTAs but shorten the merge (eval/fused_profile.py --splits); not yet measured.
+SPLITS: int | None = None
 THREADS, CONSUMERS = 512, 480
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -179,7 +182,7 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     gq = Hq // Hkv
     maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
     attention_floats = gq * D + 2 * D + (CONSUMERS // 32) * maxg * (D + 2)
-    splits = max(1, ctas // Hkv)
+    splits = max(1, ctas // Hkv if SPLITS is None else min(SPLITS, ctas // Hkv))
     stage_bytes = max(F, H, Hq * D) * shapes.itemsize
     while splits > 1 and 4 * gq * splits * (D + 2) > max(stage_bytes, 4 * attention_floats):
         splits -= 1  # the split merge's states must fit in the stage

@@ -83,6 +83,13 @@ def test_ouro_1_4b_fits_an_h200_cta():
     assert max(sum(fd.batches(cta)) for cta in plan.ctas) <= fd.RING // 2
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4, 64])
+def test_fewer_attention_splits_when_asked(monkeypatch, splits):
+    """fused_decode.SPLITS caps the splits per KV head (never above what the CTAs allow: 8 here)."""
+    monkeypatch.setattr(fd, "SPLITS", splits)
+    assert fd.layout(OURO_1_4B, 132).splits == min(splits, 8)
+
+
 def test_a_misaligned_copy_is_refused_with_its_name():
     # 8-column-group scales of 64-wide rows: 4 bytes a row, so a pair of rows is no 16-byte copy.
     shapes = fd.Shapes(64, 128, 4, 4, 16, {64: 2, 128: 4}, True, 2, False)
