@@ -18,11 +18,11 @@ from tinyloop_hf.quant_tinyloop import QuantLinear
 
 from .loader import cuda_type, f32, i32, kernel, launch, ptr, sm90_or_newer
 
-# Off by default: not yet faster. H200, Ouro-1.4B shape, INT4, L = 4, batch 1, 192 cached tokens, graph replay:
-# 3.69-3.72 ms per step against 2.82 with the three per-op kernels, at a revision with one 24-warp CTA per SM. Its
-# phase trace (eval/attention_block_profile.py) showed the CTAs of a launch starting up to 11.5 us apart: 16 clusters
-# of 8 one-CTA-per-SM CTAs did not all fit on the GPU at once. The current revision (12 warps of 4 rows, 2 CTAs per
-# SM) has not run on a GPU yet (eval/results/BENCH.md, sixteenth session). On for experiments and its GPU tests.
+# Off by default: not faster. H200, Ouro-1.4B shape, INT4, L = 4, batch 1, 192 cached tokens, graph replay: 3.08 ms per
+# step against 2.82 with the three per-op kernels (a first revision, one 24-warp CTA per SM, took 3.69-3.72: its 16
+# clusters did not fit on the GPU at once). Its trace (eval/attention_block_profile.py): 16.25 us a launch, the QKV
+# projection 5.25 of it, against ~13 us of the step's critical path for the kernels it replaces, which overlap each
+# other's weight loads through programmatic launch (eval/results/BENCH.md, sixteenth session).
 ATTENTION_BLOCK = False
 # Launched programmatically inside graphs: the L2 prefetch of the cached K/V and o_proj slice, and the QKV weights'
 # first loads, overlap the junction kernel before it.

@@ -24,7 +24,8 @@ FUSED_DECODE = False
 CHUNK_BYTES = 16 * 1024  # a TMA batch: about this many bytes per ring mbarrier
 INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow every poll and barrier)
 # Attention splits per KV head (None: as many as the CTAs allow, 8 on the H200 at 16 KV heads). Fewer splits attend
-# longer on fewer CTAs but shorten the merge (eval/fused_profile.py --splits); not yet measured.
+# longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
+# at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
 THREADS, CONSUMERS = 512, 480
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
