@@ -202,17 +202,8 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
     __syncthreads();
     for (int idx = threadIdx.x; idx < G * D; idx += THREADS) {
         const int g = idx / D;
-        float top = -TL_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, warp_ml[(w * G + g) * 2]);
-        float acc = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float weight = merge_weight(warp_ml[(w * G + g) * 2], top);
-            acc += warp_o[(w * G + g) * D + idx % D] * weight;
-            sum += warp_ml[(w * G + g) * 2 + 1] * weight;
-        }
-        cta_o[idx] = acc;
+        float top, sum;
+        cta_o[idx] = merged_states<WARPS, D>(warp_o, warp_ml, G, g, idx % D, top, sum);
         if (idx % D == 0) {
             cta_ml[2 * g] = top;
             cta_ml[2 * g + 1] = sum;

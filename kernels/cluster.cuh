@@ -60,6 +60,25 @@ __device__ __forceinline__ void merge_warp_states(float (&m)[MAXG], float (&l)[M
     }
 }
 
+// Element d of query vector g merged over N partial states in shared memory, o [N][V][D] and ml [N][V][2] (running max
+// and sum): returns sum_i o_i 2^(m_i - top), with top = max_i m_i and sum = sum_i l_i 2^(m_i - top).
+template <int N, int D>
+__device__ __forceinline__ float merged_states(const float* o, const float* ml, int V, int g, int d, float& top,
+                                               float& sum) {
+    top = -TL_INF;
+#pragma unroll
+    for (int i = 0; i < N; ++i) top = fmaxf(top, ml[(i * V + g) * 2]);
+    float acc = 0.0f;
+    sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float w = merge_weight(ml[(i * V + g) * 2], top);
+        acc += o[(i * V + g) * D + d] * w;
+        sum += ml[(i * V + g) * 2 + 1] * w;
+    }
+    return acc;
+}
+
 // Output element idx (of query vector g) of a cluster's attention: the CLUSTER CTAs' states (cta_ml [V][2] and cta_o
 // [V * D], at the same shared-memory addresses in every CTA) merged and normalized, every peer load in flight at once.
 template <int CLUSTER>

@@ -634,17 +634,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             uint2* part = P.part_ll + static_cast<long long>(h * S + split) * Gq * (D + 2);
             for (int idx = ct; idx < Gq * D; idx += CONSUMERS) {
                 const int g = idx / D, d = idx % D;
-                float top = -TL_INF;
-#pragma unroll
-                for (int w = 0; w < CWARPS; ++w) top = fmaxf(top, warp_ml[(w * MAXG + g) * 2]);
-                float acc = 0.0f, sum = 0.0f;
-#pragma unroll
-                for (int w = 0; w < CWARPS; ++w) {
-                    const float mw = warp_ml[(w * MAXG + g) * 2];
-                    const float weight = mw == -TL_INF ? 0.0f : exp2f(mw - top);
-                    acc += warp_o[(w * MAXG + g) * D + d] * weight;
-                    sum += warp_ml[(w * MAXG + g) * 2 + 1] * weight;
-                }
+                float top, sum;
+                const float acc = merged_states<CWARPS, D>(warp_o, warp_ml, MAXG, g, d, top, sum);
                 ll_store8(part + g * (D + 2) + 2 + d, __float_as_uint(acc), part_seq);
                 if (d == 0) {
                     ll_store8(part + g * (D + 2), __float_as_uint(top), part_seq);

@@ -279,18 +279,8 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml.
     for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
         const int g = idx / D, d = idx % D;
-        float top = -TL_INF;
-#pragma unroll
-        for (int i = 0; i < subs; ++i) top = fmaxf(top, sub_ml[(i * V + g) * 2]);
-        float o = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < subs; ++i) {
-            const float mi = sub_ml[(i * V + g) * 2];
-            const float w = merge_weight(mi, top);
-            o += sub_o[(i * V + g) * D + d] * w;
-            sum += sub_ml[(i * V + g) * 2 + 1] * w;
-        }
-        q_s[idx] = o;
+        float top, sum;
+        q_s[idx] = merged_states<subs, D>(sub_o, sub_ml, V, g, d, top, sum);
         if (d == 0) {
             cta_ml[2 * g] = top;
             cta_ml[2 * g + 1] = sum;
