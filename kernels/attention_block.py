@@ -9,6 +9,7 @@ current length, so an eager step and a graph replayed at a later length run the 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,31 +53,62 @@ def _trace_slot(kv_heads: int) -> torch.Tensor | None:
     return slot if slot.numel() == width else None
 
 
-def _model_refusal(module: Any, dtype: torch.dtype) -> tuple[str | None, int]:
-    """(why the attention module cannot take the kernel, None if it can; warps per CTA)."""
+@dataclass(frozen=True)
+class _Plan:
+    """What every launch for one attention module and activation dtype passes (built once: the eager step's Python
+    time is ~100 launches)."""
+
+    name: str
+    warps: int
+    smem: int
+    counters: torch.Tensor  # [CLUSTER] int32: the last-CTA counts, reset by the kernel
+    arguments: tuple  # hidden, group shift, groups of q/k/v rows, groups of o rows, midpoint (after the matrices)
+    rope_layout: int
+    scale_log2: float
+
+
+def _plan(module: Any, dtype: torch.dtype) -> _Plan | str:
+    """The launch plan of the attention module with activations in ``dtype``, or why it cannot take the kernel."""
+    from .ops_cuda import group_shift
+
     config = module.config
     layers = [getattr(module, name) for name in _PROJECTIONS]
     if not all(isinstance(layer, QuantLinear) and layer.format.bits == 4 and layer.bias is None for layer in layers):
-        return "it serves INT4 q/k/v/o projections without bias", 0
+        return "it serves INT4 q/k/v/o projections without bias"
     if len({layer.format for layer in layers}) != 1 or len({layer.scales.dtype for layer in layers}) != 1:
-        return "it needs one quantization format for q, k, v and o", 0
-    if dtype not in (torch.float16, torch.bfloat16) or not sm90_or_newer(layers[0].qweight.device):
-        return "it needs fp16/bf16 activations on sm_90+ (thread-block clusters)", 0
+        return "it needs one quantization format for q, k, v and o"
+    device = layers[0].qweight.device
+    if dtype not in (torch.float16, torch.bfloat16) or not sm90_or_newer(device):
+        return "it needs fp16/bf16 activations on sm_90+ (thread-block clusters)"
     heads, kv_heads, dim, hidden = (config.num_attention_heads, config.num_key_value_heads, module.head_dim,
                                     config.hidden_size)  # fmt: skip
     group = heads // kv_heads
     slice_chunks = group * dim // 32  # o_proj columns of one KV group, in 32-column chunks
-    group_size = layers[3].format.group_size
+    fmt = layers[0].format
     # Query heads per KV head <= 4: at 80 registers a thread's 8 dims of o for 8 query vectors would spill.
     if (dim not in (64, 128) or heads % kv_heads or group > 4 or ((group + 2) * dim // 4) % CLUSTER
             or hidden % (32 * CLUSTER) or slice_chunks & (slice_chunks - 1) or slice_chunks > 32
-            or (group_size is not None and (group * dim) % group_size)):  # fmt: skip
-        return f"head_dim {dim}, {heads} heads / {kv_heads} KV heads, hidden {hidden}: outside its work split", 0
+            or (fmt.group_size is not None and (group * dim) % fmt.group_size)):  # fmt: skip
+        return f"head_dim {dim}, {heads} heads / {kv_heads} KV heads, hidden {hidden}: outside its work split"
     tasks = (group + 2) * dim // 4 // CLUSTER  # QKV tasks (4 rows) per CTA
     warps = next((w for w in WARPS if w >= tasks), WARPS[-1])
-    if shared_bytes(group, dim, warps, torch.finfo(dtype).bits // 8) > 48 * 1024 - _STATIC_SHARED:
-        return "its shared memory exceeds 48 KiB", 0
-    return None, warps
+    smem = shared_bytes(group, dim, warps, torch.finfo(dtype).bits // 8)
+    if smem > 48 * 1024 - _STATIC_SHARED:
+        return "its shared memory exceeds 48 KiB"
+    if torch.cuda.is_current_stream_capturing():  # the counters' zero-fill would only be recorded, not run
+        raise RuntimeError("attention_block's plan is built by an eager step before graphs are captured")
+    maxg = next(g for g in (1, 2, 4) if g >= group)
+    scale_bf16 = int(layers[0].scales.dtype == torch.bfloat16)
+    return _Plan(
+        name=f"ablock::attention_block<{cuda_type(dtype)}, {dim}, {maxg}, {warps}, {scale_bf16}>",
+        warps=warps,
+        smem=smem,
+        counters=torch.zeros(CLUSTER, dtype=torch.int32, device=device),
+        arguments=tuple(map(i32, (hidden, group_shift(fmt), fmt.groups(hidden), fmt.groups(heads * dim),
+                                  fmt.midpoint))),  # fmt: skip
+        rope_layout=0 if config.rope_layout == "rotate_half" else 1,
+        scale_log2=module.scaling * math.log2(math.e),
+    )
 
 
 def refusal(module: Any, rows: torch.Tensor, batch: int, steps: int, cache: Any) -> str | None:
@@ -92,11 +124,16 @@ def refusal(module: Any, rows: torch.Tensor, batch: int, steps: int, cache: Any)
         return f"it serves 16-bit K/V of one row in the activation dtype, up to {MAX_TOKENS} tokens of capacity"
     if rows.data_ptr() % 16:
         return "its input row is not 16-byte aligned"
-    checks = module.__dict__.setdefault("_attention_block_refusals", {})
+    plan = _plan_of(module, rows)
+    return plan if isinstance(plan, str) else None
+
+
+def _plan_of(module: Any, rows: torch.Tensor) -> _Plan | str:
+    plans = module.__dict__.setdefault("_attention_block_plans", {})
     key = (rows.dtype, rows.device)
-    if key not in checks:
-        checks[key] = _model_refusal(module, rows.dtype)
-    return checks[key][0]
+    if key not in plans:
+        plans[key] = _plan(module, rows.dtype)
+    return plans[key]
 
 
 def shared_bytes(group: int, dim: int, warps: int, itemsize: int) -> int:
@@ -108,36 +145,21 @@ def shared_bytes(group: int, dim: int, warps: int, itemsize: int) -> int:
 
 def attend(module: Any, rows: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
     """The o_proj output [1, hidden] of attention over the normed input ``rows`` [1, hidden] (see refusal)."""
+    plan = _plan_of(module, rows)
     config, cache = module.config, context.cache
     storage = cache.storage
     cache.mark_written(slot)
     k_pages, v_pages = storage.slot(slot)[:2]
-    q, k, v, o = (getattr(module, name) for name in _PROJECTIONS)
-    fmt, hidden = q.format, config.hidden_size
-    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, module.head_dim
-    group = heads // kv_heads
-    warps = module.__dict__["_attention_block_refusals"][(rows.dtype, rows.device)][1]
-    counters = module.__dict__.get("_attention_block_counters")
-    if counters is None or counters.device != rows.device:
-        if torch.cuda.is_current_stream_capturing():  # a zero-fill would only be recorded, not run
-            raise RuntimeError("attention_block's counters are allocated by an eager step before graphs are captured")
-        counters = module.__dict__["_attention_block_counters"] = torch.zeros(
-            CLUSTER, dtype=torch.int32, device=rows.device
-        )
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     cos, sin = context.cos.contiguous(), context.sin.contiguous()  # kept alive until the launch is queued
     partials = torch.empty(kv_heads * hidden, dtype=torch.float32, device=rows.device)
     out = torch.empty(1, hidden, dtype=rows.dtype, device=rows.device)
-    shift = 31 if fmt.group_size is None else fmt.group_size.bit_length() - 1
-    matrices = [ptr(getattr(layer, name, None)) for layer in (q, k, v, o) for name in ("qweight", "scales", "zeros")]
-    args = (ptr(rows), *matrices, i32(hidden), i32(shift), i32(fmt.groups(hidden)), i32(fmt.groups(heads * dim)),
-            i32(fmt.midpoint), ptr(cos), ptr(sin), i32(0 if config.rope_layout == "rotate_half" else 1), ptr(k_pages),
+    matrices = [ptr(getattr(getattr(module, projection), name, None)) for projection in _PROJECTIONS
+                for name in ("qweight", "scales", "zeros")]  # fmt: skip
+    args = (ptr(rows), *matrices, *plan.arguments, ptr(cos), ptr(sin), i32(plan.rope_layout), ptr(k_pages),
             ptr(v_pages), ptr(storage.block_table), ptr(cache.step_positions), ptr(storage.lengths),
-            ptr(storage.starts), ptr(partials), ptr(counters), ptr(out), i32(heads), i32(kv_heads),
-            f32(module.scaling * math.log2(math.e)), ptr(_trace_slot(kv_heads)))  # fmt: skip
-    maxg = next(g for g in (1, 2, 4, 8) if g >= group)
-    scale_bf16 = int(q.scales.dtype == torch.bfloat16)
-    name = f"ablock::attention_block<{cuda_type(rows.dtype)}, {dim}, {maxg}, {warps}, {scale_bf16}>"
-    smem = shared_bytes(group, dim, warps, rows.element_size())
-    launch(kernel("attention_block.cu", name), (kv_heads, 1, CLUSTER), (32 * warps,), args, shared_mem=smem,
-           dependent=PROGRAMMATIC, cluster=CLUSTER)  # fmt: skip
+            ptr(storage.starts), ptr(partials), ptr(plan.counters), ptr(out), i32(heads), i32(kv_heads),
+            f32(plan.scale_log2), ptr(_trace_slot(kv_heads)))  # fmt: skip
+    launch(kernel("attention_block.cu", plan.name), (kv_heads, 1, CLUSTER), (32 * plan.warps,), args,
+           shared_mem=plan.smem, dependent=PROGRAMMATIC, cluster=CLUSTER)  # fmt: skip
     return out
