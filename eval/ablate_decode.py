@@ -17,10 +17,9 @@ import argparse
 
 import torch
 
-from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.kernels import attention_block, fused_decode, loader, ops_cuda
 
-from .bench import build_ours, ouro_config
+from .bench import base_model, build_ours
 from .profile_decode import gpu_ms
 
 
@@ -107,9 +106,7 @@ def main() -> None:
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
+    base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
     del base
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")

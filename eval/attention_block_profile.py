@@ -14,10 +14,9 @@ import statistics
 
 import torch
 
-from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.kernels import attention_block
 
-from .bench import build_ours, ouro_config
+from .bench import base_model, build_ours
 
 PHASES = ["QKV projection", "cluster barrier 1", "gather + attention", "barrier 2 + merge + barrier 3", "o_proj slice",
           "count + last CTA's sum"]  # fmt: skip
@@ -28,9 +27,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192)
     args = parser.parse_args()
     attention_block.ATTENTION_BLOCK = True
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
+    base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(cuda_graphs=False)
     del base
     ids = torch.randint(1, 49152, (1, args.context), device="cuda")

@@ -68,6 +68,14 @@ def quant_config(bits: int) -> TinyLoopQuantConfig:
     return TinyLoopQuantConfig(bits=bits, group_size=GROUP_FOR_BITS[bits], components=components)
 
 
+def base_model(loops: int, max_context: int) -> TinyLoopForCausalLM:
+    """The benchmark's bf16 model of the Ouro-1.4B shape on the GPU, its random weights drawn from seed 0 (the same
+    model in every script that measures it)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return TinyLoopForCausalLM(ouro_config(loops, max_context)).to(torch.bfloat16).eval()
+
+
 def build_ours(base: TinyLoopForCausalLM, bits: int, device: str = "cuda") -> TinyLoopForCausalLM:
     """A copy of ``base`` on ``device``, quantized to ``bits`` there (``base`` may stay on the CPU)."""
     model = copy.deepcopy(base).to(device)
@@ -284,10 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return reason is None
 
     for loops in args.loops:
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            base = TinyLoopForCausalLM(ouro_config(loops, max_context)).to(torch.bfloat16).eval()
-        base = base.cpu()  # kept off the GPU: a row's peak memory is its own model's and cache's
+        # Kept off the GPU: a row's peak memory is its own model's and cache's.
+        base = base_model(loops, max_context).cpu()
         bf16_linear, bf16_total = weight_bytes(base, True), weight_bytes(base, False)
         for bits in args.bits:
             model = build_ours(base, bits).use_cuda_path(args.kv_cache_dtype, run_ahead=not args.no_run_ahead)

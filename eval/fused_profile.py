@@ -19,7 +19,7 @@ import torch
 from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.kernels import fused_decode, loader
 
-from .bench import build_ours, ouro_config
+from .bench import base_model, build_ours
 from .profile_decode import gpu_ms
 
 PHASES = ["P1 poll + junction", "P1 slot wait", "P1 QKV", "P2 q/k/v poll", "P2 attention", "P3 poll", "P3 slot wait",
@@ -88,9 +88,7 @@ def main() -> None:
     fused_decode.SPLITS = args.splits
     if args.no_math:
         compile_without_math()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
+    base = base_model(4, 4096)
     ids = torch.randint(1, 49152, (1, args.context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     for fused in (True, False) if args.replay else (True,):
         fused_decode.FUSED_DECODE = fused

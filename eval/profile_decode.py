@@ -14,7 +14,7 @@ import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
 
-from .bench import build_ours, ouro_config, timed
+from .bench import base_model, build_ours, timed
 
 
 def gpu_ms(fn, repeats: int = 10) -> float:
@@ -78,9 +78,7 @@ def main() -> None:
         from tinyloop_hf.kernels import loader
 
         loader.PROGRAMMATIC_LAUNCH = False
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = TinyLoopForCausalLM(ouro_config(args.loops, 4096)).to(torch.bfloat16).eval()
+    base = base_model(args.loops, 4096)
     model = build_ours(base, args.bits).use_cuda_path()
     del base
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")

@@ -13,9 +13,7 @@ import argparse
 
 import torch
 
-from tinyloop_hf import TinyLoopForCausalLM
-
-from .bench import build_ours, ouro_config, timed
+from .bench import base_model, build_ours, timed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,9 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 7])
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = TinyLoopForCausalLM(ouro_config(4, 4096)).to(torch.bfloat16).eval()
+    base = base_model(4, 4096)
     model = build_ours(base, args.bits).use_cuda_path()
     del base
     ids = torch.randint(1, 49152, (1, args.context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
