@@ -91,6 +91,16 @@ def main() -> None:
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
+    parser.add_argument(
+        "--junction-programmatic",
+        action="store_true",
+        help="residual junctions launched programmatically (ops_cuda.JUNCTION_PROGRAMMATIC)",
+    )
+    parser.add_argument(
+        "--paged-cluster-programmatic",
+        action="store_true",
+        help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait",
+    )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
     parser.add_argument("--attention-block", action="store_true",
@@ -103,6 +113,8 @@ def main() -> None:
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
+    ops_cuda.JUNCTION_PROGRAMMATIC = args.junction_programmatic
+    ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without)
@@ -122,6 +134,8 @@ def main() -> None:
     kv = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
     kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
+    kv += ", programmatic junctions" if args.junction_programmatic else ""
+    kv += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 
 

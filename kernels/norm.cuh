@@ -69,16 +69,23 @@ __device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight,
 // 8192, where the kernel runs a thread per vector) is loaded with the branch, before the first reduction, so the
 // loads are in flight at once instead of one round trip after each reduction. The GEMV prologue (64 registers)
 // loads each where it is used. Same arithmetic either way.
-template <typename T, bool PRELOAD = false>
+// WAIT (the junction kernel launched programmatically): the norm weights, which no kernel writes, are loaded before
+// pdl_wait; the next launch is let start after it.
+template <typename T, bool PRELOAD = false, bool WAIT = false>
 __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                              const T* __restrict__ w_next, T* sum_out, T* next_out, int H, float eps, int mode) {
+    static_assert(PRELOAD || !WAIT, "the programmatic junction preloads its weights");
     uint4 x_first, branch_weight_first, next_weight_first;
     if constexpr (PRELOAD) {
         if (const int col = threadIdx.x * 8; col < H) {
-            x_first = *reinterpret_cast<const uint4*>(x + col);
             if (w_branch != nullptr) branch_weight_first = *reinterpret_cast<const uint4*>(w_branch + col);
             if (w_next != nullptr) next_weight_first = *reinterpret_cast<const uint4*>(w_next + col);
         }
+        if constexpr (WAIT) {
+            pdl_wait();
+            pdl_trigger();
+        }
+        if (const int col = threadIdx.x * 8; col < H) x_first = *reinterpret_cast<const uint4*>(x + col);
     }
     // Vector j (at column col) of p as fp32: preloaded (vector 0 with PRELOAD; j is a compile-time index) or loaded.
     auto vector_at = [&](const T* p, const uint4& first, int j, int col, float (&out)[8]) {

@@ -67,7 +67,8 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
-        "norm.cu": [f"{name}<{t}>" for name in ("rms_norm", "residual_norm") for t in types],
+        "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
+                                                          for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
         "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
@@ -424,14 +425,19 @@ def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Ten
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _norm_launch(name: str, rows: int, hidden: int, args: tuple) -> None:
+def _norm_launch(name: str, rows: int, hidden: int, args: tuple, dependent: bool = False) -> None:
     if hidden % 8 or hidden > 8 * 4 * 1024:
         raise CudaPathUnavailable(f"the norm kernels need hidden_size % 8 == 0 and <= 32768, got {hidden}")
     threads = min(1024, max(128, 32 * math.ceil(hidden / 8 / 32)))
-    # A plain launch, like RoPE + KV append's: these start when the GEMV before them is done, and
-    # the GEMV after them starts early (programmatic launch) and loads its weights while they run. Launching them
-    # programmatically too made the H200 batch-1 step slower (3.39 against 3.11 ms).
-    launch(kernel("norm.cu", name), (rows,), (threads,), args)
+    launch(kernel("norm.cu", name), (rows,), (threads,), args, dependent=dependent)
+
+
+# The residual junction launched programmatically (its norm weights loaded while the GEMV before it runs, the next
+# launch let start once it is past pdl_wait) instead of plainly (it starts when the GEMV before it is done and lets
+# the GEMV after it start at once, which loads its weights while the junction runs). With both the next GEMV and
+# the norm kernels launched programmatically and triggering at once, the H200 batch-1 step was slower (3.39 against
+# 3.11 ms, seventh session). A/B switch for eval scripts.
+JUNCTION_PROGRAMMATIC = False
 
 
 @register_op("rms_norm", CUDA)
@@ -464,7 +470,9 @@ def residual_norm(
     hidden = x.shape[-1]
     args = (ptr(x), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), ptr(following), i32(hidden),
             f32(eps), i32(JUNCTION_MODES[mode]))  # fmt: skip
-    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}>", x.numel() // hidden, hidden, args)
+    wait = "true" if JUNCTION_PROGRAMMATIC else "false"
+    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", x.numel() // hidden, hidden, args,
+                 dependent=JUNCTION_PROGRAMMATIC)  # fmt: skip
     return total, following
 
 
@@ -632,6 +640,9 @@ PAGED_DIMS = (16, 32, 64, 128, 256)
 # Ouro-1.4B shape, INT4, 192 cached tokens, GPU time of one graph replay: batch 16 4.73-4.76 ms against 4.87 plain;
 # batch 1 (clusters of 8) 2.97 against 2.83 plain, so cluster launches stay plain. A/B switch for eval scripts.
 PAGED_PROGRAMMATIC = True
+# Cluster launches (batch 1) programmatic too, with the next launch let start only once paged decode is past
+# pdl_wait (kernel argument trigger_late). A/B switch for eval scripts.
+PAGED_CLUSTER_PROGRAMMATIC = False
 
 
 def paged_decode(
@@ -672,12 +683,12 @@ def paged_decode(
             ptr(storage.block_table), ptr(storage.lengths), ptr(storage.starts),
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
-            f32(scaling * math.log2(math.e)))  # fmt: skip
+            f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
     smem = 4 * _decode_shared_floats(vectors, dim, splits)
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
     name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,
-           dependent=PAGED_PROGRAMMATIC and cluster == 1, cluster=cluster)  # fmt: skip
+           dependent=PAGED_PROGRAMMATIC and (cluster == 1 or PAGED_CLUSTER_PROGRAMMATIC), cluster=cluster)  # fmt: skip
     return out.view(rows, heads * dim)
 
 

@@ -113,8 +113,11 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
     const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths,
     const int* __restrict__ starts, T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
-    int* __restrict__ split_counters, int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2) {
-    pdl_trigger();
+    int* __restrict__ split_counters, int Hq, int Hkv, int Q, int max_blocks, int tokens_per_split, float scale_log2,
+    int trigger_late) {
+    // trigger_late: the next launch (the O projection) may start only once this one is past pdl_wait, so that a
+    // programmatic launch of this kernel does not let the O projection's CTAs compete with the QKV projection's.
+    if (!trigger_late) pdl_trigger();
     extern __shared__ float smem[];
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
     const int G = Hq / Hkv, V = G * Q;
@@ -187,6 +190,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     // which that kernel writes) are loaded again after the wait (page[] holds the next step's pages by then).
     load_step(0, false);
     pdl_wait();
+    if (trigger_late) pdl_trigger();
     waited = true;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {

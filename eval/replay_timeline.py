@@ -1,0 +1,118 @@
+"""Where a graph-replayed decode step's time goes, kernel by kernel, with programmatic launch's overlap kept: CUPTI
+(torch.profiler) records every kernel of a few replays; for each kernel kind of the step this prints how long its
+kernels ran, how early they started before the previous kernel ended (the overlap programmatic launch buys), and
+what each adds to the step: its end minus the previous kernel's end. The added times sum to the step.
+
+    python -m tinyloop_hf.eval.replay_timeline --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from tinyloop_hf.kernels import attention_block, fused_decode, ops_cuda
+
+from .bench import base_model, build_ours
+from .profile_decode import gpu_ms
+
+
+def kind_of(name: str) -> str:
+    """A kernel's name without argument lists, with the template arguments that tell the step's launches apart."""
+    name = re.sub(r"\(.*\)$", "", name).replace("void ", "")
+    return name[:90]
+
+
+def kernel_events(trace: Path) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel in a chrome trace, in start order."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"]
+    return sorted(kernels)
+
+
+def split_replays(kernels: list[tuple[float, float, str]], per_replay: int) -> list[list[tuple[float, float, str]]]:
+    return [kernels[i : i + per_replay] for i in range(0, len(kernels) - per_replay + 1, per_replay)]
+
+
+def summarize(replay: list[tuple[float, float, str]]) -> list[tuple[str, int, float, float, float, float]]:
+    """Per kernel kind: (kind, calls, median duration, median start before the previous end, median and total added)."""
+    stats: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    order: list[str] = []
+    previous_end = replay[0][0]
+    for start, end, name in replay:
+        kind = kind_of(name)
+        if kind not in stats:
+            order.append(kind)
+        stats[kind].append((end - start, previous_end - start, end - previous_end))
+        previous_end = max(previous_end, end)
+    rows = []
+    for kind in order:
+        durations, early, added = zip(*stats[kind], strict=True)
+        rows.append((kind, len(durations), statistics.median(durations), statistics.median(early),
+                     statistics.median(added), sum(added)))  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
+    parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--fused-decode", action="store_true")
+    parser.add_argument("--attention-block", action="store_true")
+    parser.add_argument("--junction-programmatic", action="store_true")
+    parser.add_argument("--paged-cluster-programmatic", action="store_true")
+    parser.add_argument("--dump", type=Path, help="write every kernel of the last replay here (tsv)")
+    args = parser.parse_args()
+    fused_decode.FUSED_DECODE = args.fused_decode
+    attention_block.ATTENTION_BLOCK = args.attention_block
+    ops_cuda.JUNCTION_PROGRAMMATIC = args.junction_programmatic
+    ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
+    base = base_model(4, 4096)
+    model = build_ours(base, 4).use_cuda_path()
+    del base
+    ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
+    with torch.no_grad():
+        cache = model.new_cache(args.context + 64)
+        model(ids, past_key_values=cache, use_cache=True)
+        step = ids[:, -1:]
+
+        def replay() -> None:
+            model(step, past_key_values=cache, use_cache=True)
+
+        for _ in range(3):  # eager warm-up, capture, replay
+            replay()
+        plain = gpu_ms(replay, repeats=20)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.replays):
+                replay()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        kernels = kernel_events(trace)
+    per_replay = len(kernels) // args.replays
+    replays = split_replays(kernels, per_replay)
+    spans = [r[-1][1] - r[0][0] for r in replays]
+    print(f"batch {args.batch}: {per_replay} kernels per replay; replay {plain:.3f} ms between CUDA events without the "
+          f"profiler, {statistics.median(spans) / 1000:.3f} ms first start to last end under it")  # fmt: skip
+    rows = summarize(replays[len(replays) // 2])
+    print(f"{'kernel':90s} {'calls':>5s} {'dur us':>7s} {'early us':>8s} {'added us':>8s} {'total ms':>8s}")
+    for kind, calls, duration, early, added, total in sorted(rows, key=lambda r: -r[5]):
+        print(f"{kind:90s} {calls:5d} {duration:7.2f} {early:8.2f} {added:8.2f} {total / 1000:8.3f}")
+    if args.dump:
+        start0 = replays[-1][0][0]
+        lines = [f"{s - start0:.3f}\t{e - start0:.3f}\t{kind_of(n)}" for s, e, n in replays[-1]]
+        args.dump.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
