@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const int N = slot.N, column = slot.column, block = slot.block;
     extern __shared__ __align__(16) unsigned char staged_bytes[];
     T* staged = reinterpret_cast<T*>(staged_bytes);
-    if (jx != nullptr && jcounter == nullptr) {
+    const bool prologue = jx != nullptr && jcounter == nullptr;  // else jx is the junction tail's residual stream
+    if (prologue) {
         pdl_wait();  // the junction reads the previous kernels' outputs
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
         };
         // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
         // with its own load instruction instead of a generic one.
-        if (jx != nullptr)
+        if (prologue)
             dots(staged, K);
         else
             dots(x, ldx);
