@@ -54,8 +54,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const int N = slot.N, column = slot.column, block = slot.block;
     extern __shared__ __align__(16) unsigned char staged_bytes[];
     T* staged = reinterpret_cast<T*>(staged_bytes);
-    const bool prologue = jx != nullptr && jcounter == nullptr;  // else jx is the junction tail's residual stream
-    if (prologue) {
+    if (jx != nullptr && jcounter == nullptr) {
         pdl_wait();  // the junction reads the previous kernels' outputs
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
         };
         // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
         // with its own load instruction instead of a generic one.
-        if (prologue)
+        if (jx != nullptr)
             dots(staged, K);
         else
             dots(x, ldx);
