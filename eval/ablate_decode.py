@@ -80,27 +80,6 @@ def patch_sources(names: list[str]) -> None:
     loader.source = patched
 
 
-def tail_probe(hidden: int) -> None:
-    """Timing only: every one-row O / down projection (output width ``hidden``) runs a residual junction in its last
-    CTA (gemv_quant's junction tail) on scratch inputs and outputs; with --skip residual_norm this is what the tail
-    would cost instead of the junction kernels."""
-    device = torch.device("cuda")
-    scratch = {name: torch.zeros(hidden, dtype=torch.bfloat16, device=device) for name in ("x", "w", "sum", "next")}
-    scratch["w"].fill_(1.0)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
-    original = ops_cuda._gemv
-
-    def gemv(x, layers, swiglu, junction=ops_cuda._NO_JUNCTION, rope=None, tail=ops_cuda._NO_TAIL):
-        if (not swiglu and rope is None and len(layers) == 1 and x.shape[0] == 1 and junction is ops_cuda._NO_JUNCTION
-                and layers[0].out_features == hidden):  # fmt: skip
-            p = {name: loader.ptr(t) for name, t in scratch.items()}
-            junction = (p["x"], loader.ptr(None), p["w"], p["w"], p["sum"], loader.f32(1e-6), loader.i32(1))
-            tail = (p["next"], loader.ptr(counter))
-        return original(x, layers, swiglu, junction=junction, rope=rope, tail=tail)
-
-    ops_cuda._gemv = gemv
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -122,7 +101,6 @@ def main() -> None:
         action="store_true",
         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait",
     )
-    parser.add_argument("--tail-probe", action="store_true", help="a junction in the O / down GEMVs' last CTA")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
     parser.add_argument("--attention-block", action="store_true",
@@ -140,8 +118,6 @@ def main() -> None:
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without)
-    if args.tail_probe:
-        tail_probe(2048)
     base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
     del base
@@ -159,7 +135,6 @@ def main() -> None:
     kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
     kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     kv += ", programmatic junctions" if args.junction_programmatic else ""
-    kv += ", junction tail probe" if args.tail_probe else ""
     kv += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 

@@ -37,8 +37,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
     float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
-    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
-    T* jnext, int* jcounter) {
+    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
     static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
     pdl_trigger();
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
@@ -54,7 +53,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const int N = slot.N, column = slot.column, block = slot.block;
     extern __shared__ __align__(16) unsigned char staged_bytes[];
     T* staged = reinterpret_cast<T*>(staged_bytes);
-    if (jx != nullptr && jcounter == nullptr) {
+    if (jx != nullptr) {
         pdl_wait();  // the junction reads the previous kernels' outputs
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
@@ -62,91 +61,83 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
                          K, eps, mode);
         __syncthreads();
     }
-    auto project_rows = [&]() {
-        int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
-        if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
-            const int pair = row0 / 2, half = D / 2;
-            row0 = (pair / half) * D + pair % half;
-            row_step = half;
+    int row0 = (block * GROUPS_PER_CTA + row_group) * R, row_step = 1;
+    if (ROPE && layout == 0 && row0 < N) {  // rotate_half: pair p of a head is dims (p, p + D/2)
+        const int pair = row0 / 2, half = D / 2;
+        row0 = (pair / half) * D + pair % half;
+        row_step = half;
+    }
+    if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
+    float acc[MATS][R][MAXM];
+    auto dots = [&](const T* __restrict__ in, int ld) {
+        row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                               midpoint, in, ld, M, part, acc[0]);
+        if constexpr (SWIGLU) {
+            const QuantMatrix up{qw1, qh1, sc1, zr1};
+            row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
+                                                   midpoint, in, ld, M, part, acc[1]);
         }
-        if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
-        float acc[MATS][R][MAXM];
-        auto dots = [&](const T* __restrict__ in, int ld) {
-            row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                   midpoint, in, ld, M, part, acc[0]);
-            if constexpr (SWIGLU) {
-                const QuantMatrix up{qw1, qh1, sc1, zr1};
-                row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                       midpoint, in, ld, M, part, acc[1]);
-            }
-        };
-        // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
-        // with its own load instruction instead of a generic one.
-        if (jx != nullptr)
-            dots(staged, K);
-        else
-            dots(x, ldx);
-        if constexpr (KSPLIT > 1) {
-            __shared__ float partial[4][MATS][R][MAXM];
-            if (lane == 0)
-#pragma unroll
-                for (int mi = 0; mi < MATS; ++mi)
-#pragma unroll
-                    for (int r = 0; r < R; ++r)
-#pragma unroll
-                        for (int m = 0; m < MAXM; ++m) partial[warp][mi][r][m] = acc[mi][r][m];
-            __syncthreads();
-            if (part != 0 || row0 >= N) return;
+    };
+    // Two copies of the loop: activations from shared memory (the junction's output) or global memory, each read
+    // with its own load instruction instead of a generic one.
+    if (jx != nullptr)
+        dots(staged, K);
+    else
+        dots(x, ldx);
+    if constexpr (KSPLIT > 1) {
+        __shared__ float partial[4][MATS][R][MAXM];
+        if (lane == 0)
 #pragma unroll
             for (int mi = 0; mi < MATS; ++mi)
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
-                    for (int m = 0; m < MAXM; ++m)
+                    for (int m = 0; m < MAXM; ++m) partial[warp][mi][r][m] = acc[mi][r][m];
+        __syncthreads();
+        if (part != 0 || row0 >= N) return;
 #pragma unroll
-                        for (int p = 1; p < KSPLIT; ++p) acc[mi][r][m] += partial[warp + p][mi][r][m];
-        }
-        if constexpr (SWIGLU) {
+        for (int mi = 0; mi < MATS; ++mi)
 #pragma unroll
             for (int r = 0; r < R; ++r)
 #pragma unroll
-                for (int m = 0; m < MAXM; ++m) {
-                    // Round each projection to the activation dtype first, as the unfused path does.
-                    const float g = to_float(from_float<T>(acc[0][r][m])), u = to_float(from_float<T>(acc[1][r][m]));
-                    acc[0][r][m] = to_float(from_float<T>(silu(g))) * u;
-                }
-        }
-        if (lane != 0) return;
-        if constexpr (ROPE) {  // one token: its q / k dims (d0, d1), q into q_out, K / V straight into its page slot
-            const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D;
-            float a = acc[0][0][0], c = acc[0][1][0];
-            if (bias) {
-                a += to_float(bias[row0]);
-                c += to_float(bias[row0 + row_step]);
-            }
-            store_rope_pair<T>(a, c, column, head, d0, d1, layout == 0 ? d0 : d0 / 2, rope_cos, rope_sin, q_out, k_pages,
-                               v_pages, block_table, positions, Hq, Hkv, D);
-            return;
-        }
+                for (int m = 0; m < MAXM; ++m)
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-            const int row = row0 + r;
-            if (row >= N) break;
+                    for (int p = 1; p < KSPLIT; ++p) acc[mi][r][m] += partial[warp + p][mi][r][m];
+    }
+    if constexpr (SWIGLU) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int m = 0; m < MAXM; ++m) {
-                if (m < M) {
-                    float v = acc[0][r][m];
-                    if (bias) v += to_float(bias[row]);
-                    if (residual) v = to_float(from_float<T>(v)) + to_float(residual[m * ldr + column + row]);
-                    y[m * ldy + column + row] = from_float<T>(v);
-                }
+                // Round each projection to the activation dtype first, as the unfused path does.
+                const float g = to_float(from_float<T>(acc[0][r][m])), u = to_float(from_float<T>(acc[1][r][m]));
+                acc[0][r][m] = to_float(from_float<T>(silu(g))) * u;
+            }
+    }
+    if (lane != 0) return;
+    if constexpr (ROPE) {  // one token: its q / k dims (d0, d1), q into q_out, K / V straight into its page slot
+        const int d0 = row0 % D, d1 = d0 + row_step * (R - 1), head = row0 / D;
+        float a = acc[0][0][0], c = acc[0][1][0];
+        if (bias) {
+            a += to_float(bias[row0]);
+            c += to_float(bias[row0 + row_step]);
+        }
+        store_rope_pair<T>(a, c, column, head, d0, d1, layout == 0 ? d0 : d0 / 2, rope_cos, rope_sin, q_out, k_pages,
+                           v_pages, block_table, positions, Hq, Hkv, D);
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int row = row0 + r;
+        if (row >= N) break;
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            if (m < M) {
+                float v = acc[0][r][m];
+                if (bias) v += to_float(bias[row]);
+                if (residual) v = to_float(from_float<T>(v)) + to_float(residual[m * ldr + column + row]);
+                y[m * ldy + column + row] = from_float<T>(v);
             }
         }
-    };
-    project_rows();
-    // Junction tail (jcounter not null, one decode launch of the O / down projection): the last CTA to finish runs
-    // the residual junction after this sublayer (y is its branch; jx the residual stream, jsum / jnext the outputs)
-    // instead of a junction kernel after this launch.
-    if (jcounter != nullptr)
-        last_cta_junction<T>(jx, y, ldy, jw_branch, jw_next, jsum, jnext, M, N0, eps, mode, jcounter);
+    }
 }

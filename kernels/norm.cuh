@@ -71,8 +71,7 @@ __device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight,
 // loads each where it is used. Same arithmetic either way.
 // WAIT (the junction kernel launched programmatically): the norm weights, which no kernel writes, are loaded before
 // pdl_wait; the next launch is let start after it.
-// BRANCH_L2: the branch is read through L2 (ld.global.cg), for a branch that other CTAs of the same launch wrote.
-template <typename T, bool PRELOAD = false, bool WAIT = false, bool BRANCH_L2 = false>
+template <typename T, bool PRELOAD = false, bool WAIT = false>
 __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                              const T* __restrict__ w_next, T* sum_out, T* next_out, int H, float eps, int mode) {
     static_assert(PRELOAD || !WAIT, "the programmatic junction preloads its weights");
@@ -105,10 +104,7 @@ __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ bran
         normalize_by<T>(v, [&](int j, int col, float (&w)[8]) { vector_at(weight, first, j, col, w); }, H, eps);
     };
     float v[MAX_VECS][8];
-    FOR_VECS(j, col) {
-        if constexpr (BRANCH_L2) unpack8_as_float<T>(__ldcg(reinterpret_cast<const uint4*>(branch + col)), v[j]);
-        else load8_as_float(branch + col, v[j]);
-    }
+    FOR_VECS(j, col) load8_as_float(branch + col, v[j]);
     if (mode != 1) add_x(v);
     if (mode != 0) {
         normalize_with(v, w_branch, branch_weight_first);
@@ -120,25 +116,4 @@ __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ bran
     if (w_next == nullptr) return;
     normalize_with(v, w_next, next_weight_first);
     FOR_VECS(j, col) store_row8(next_out + col, v[j]);
-}
-
-// The residual junction of rows 0..M-1 run by the last CTA of a launch whose CTAs wrote the branch rows (row m at
-// branch + m * ld): each CTA publishes its writes (fence, then a count), and the CTA that counts last reads the
-// whole branch through L2 and runs the junction, then resets the count for the next launch. Every thread of the CTA
-// must call it.
-template <typename T>
-__device__ __noinline__ void last_cta_junction(const T* x, const T* branch, int ld, const T* w_branch, const T* w_next, T* sum_out,
-                                  T* next_out, int M, int H, float eps, int mode, int* counter) {
-    __shared__ int is_last;
-    __threadfence();  // this thread's branch writes, before the count
-    __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    for (int m = 0; m < M; ++m)
-        junction_row<T, false, false, true>(x + static_cast<long long>(m) * H, branch + static_cast<long long>(m) * ld,
-                                            w_branch, w_next, sum_out + static_cast<long long>(m) * H,
-                                            next_out + static_cast<long long>(m) * H, H, eps, mode);
-    if (threadIdx.x == 0) *counter = 0;
 }

@@ -214,7 +214,6 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
 _NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
-_NO_TAIL = (ptr(None),) * 2  # the junction tail's next-input output and its CTA count (gemv_quant: jnext, jcounter)
 
 
 def _gemv(
@@ -223,7 +222,6 @@ def _gemv(
     swiglu: bool,
     junction: tuple = _NO_JUNCTION,
     rope: Callable[[int], tuple] | None = None,
-    tail: tuple = _NO_TAIL,
 ) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
     ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
@@ -258,9 +256,9 @@ def _gemv(
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         if fused and (start or chunk != rows):
             raise ValueError("the junction prologue serves up to 8 rows in one launch")
-        args = (*arguments(start, chunk), *junction, *(rope(start) if with_rope else _NO_ROPE), *tail)
+        args = (*arguments(start, chunk), *junction, *(rope(start) if with_rope else _NO_ROPE))
         name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
-        shared = chunk * row_bytes if fused and tail is _NO_TAIL else 0  # the prologue junction's output
+        shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
 
