@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument(
         "--junction-programmatic",
         action="store_true",
-        help="residual junctions launched programmatically (ops_cuda.JUNCTION_PROGRAMMATIC)",
+        help="residual junctions launched programmatically at every batch (ops_cuda.JUNCTION_PROGRAMMATIC_ROWS)",
     )
     parser.add_argument(
         "--paged-cluster-programmatic",
@@ -113,7 +113,7 @@ def main() -> None:
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
-    ops_cuda.JUNCTION_PROGRAMMATIC = args.junction_programmatic
+    ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas

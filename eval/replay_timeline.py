@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     fused_decode.FUSED_DECODE = args.fused_decode
     attention_block.ATTENTION_BLOCK = args.attention_block
-    ops_cuda.JUNCTION_PROGRAMMATIC = args.junction_programmatic
+    ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path()

@@ -432,12 +432,13 @@ def _norm_launch(name: str, rows: int, hidden: int, args: tuple, dependent: bool
     launch(kernel("norm.cu", name), (rows,), (threads,), args, dependent=dependent)
 
 
-# The residual junction launched programmatically (its norm weights loaded while the GEMV before it runs, the next
-# launch let start once it is past pdl_wait) instead of plainly (it starts when the GEMV before it is done and lets
-# the GEMV after it start at once, which loads its weights while the junction runs). With both the next GEMV and
-# the norm kernels launched programmatically and triggering at once, the H200 batch-1 step was slower (3.39 against
-# 3.11 ms, seventh session). A/B switch for eval scripts.
-JUNCTION_PROGRAMMATIC = False
+# Steps of at least this many rows launch the residual junction programmatically: its norm weights are loaded while
+# the GEMV before it runs, and the next launch may start once it is past pdl_wait. Fewer rows launch it plainly: it
+# starts when the GEMV before it is done and lets the GEMV after it start at once (that GEMV then loads its weights
+# while the junction runs). H200, Ouro-1.4B shape, INT4, L = 4, 192 cached tokens, GPU time of one graph replay
+# (ablate_decode [--junction-programmatic], seventeenth session): batch 16 4.626 / 4.623 ms against 4.689 / 4.684
+# plain; batch 1 2.997 against 2.809 plain. A/B switch for eval scripts (1: every step; a large number: none).
+JUNCTION_PROGRAMMATIC_ROWS = 2
 
 
 @register_op("rms_norm", CUDA)
@@ -470,9 +471,10 @@ def residual_norm(
     hidden = x.shape[-1]
     args = (ptr(x), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), ptr(following), i32(hidden),
             f32(eps), i32(JUNCTION_MODES[mode]))  # fmt: skip
-    wait = "true" if JUNCTION_PROGRAMMATIC else "false"
-    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", x.numel() // hidden, hidden, args,
-                 dependent=JUNCTION_PROGRAMMATIC)  # fmt: skip
+    rows = x.numel() // hidden
+    programmatic = rows >= JUNCTION_PROGRAMMATIC_ROWS  # eager steps pick the same kernel (same arithmetic either way)
+    wait = "true" if programmatic else "false"
+    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", rows, hidden, args, dependent=programmatic)
     return total, following
 
 

@@ -346,3 +346,31 @@ def test_attribute_launch_passes_the_arguments_and_attributes(monkeypatch):
     monkeypatch.setattr(loader, "_cu_launch_kernel_ex", lambda: lambda *a: 1)
     with pytest.raises(RuntimeError, match=r"attributes \[4\]\) failed with CUresult 1"):
         loader._launch_ex(function, (1,), (32,), args, 0, 0, attributes[1:])
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, monkeypatch, batch):
+    """With programmatic launches (sm_90+) the junctions are their own kernels; a step of several rows launches
+    them programmatically (the kernel variant that loads its norm weights before pdl_wait), one row plainly (slower
+    programmatically on the H200)."""
+    monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
+    junctions = []
+    record = ops_cuda.launch
+
+    def launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
+        if fn[1].startswith("residual_norm"):
+            junctions.append((dependent, fn[1], grid))
+        record(fn, grid, block, args, shared_mem, dependent, cluster)
+
+    monkeypatch.setattr(ops_cuda, "launch", launch)
+    model = _model("ouro", 4)
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (batch, 8)), past_key_values=cache, use_cache=True)
+        junctions.clear()
+        model(torch.randint(1, 256, (batch, 1)), past_key_values=cache, use_cache=True)
+    assert junctions, "a decode step runs its residual junctions as kernels"
+    assert all(grid == (batch,) for *_, grid in junctions)
+    programmatic = batch >= ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
+    assert all(dependent == programmatic for dependent, *_ in junctions)
+    assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, name, _ in junctions)
