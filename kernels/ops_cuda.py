@@ -437,8 +437,11 @@ def _norm_launch(name: str, rows: int, hidden: int, args: tuple, dependent: bool
 # starts when the GEMV before it is done and lets the GEMV after it start at once (that GEMV then loads its weights
 # while the junction runs). H200, Ouro-1.4B shape, INT4, L = 4, 192 cached tokens, GPU time of one graph replay
 # (ablate_decode [--junction-programmatic], seventeenth session): batch 16 4.626 / 4.623 ms against 4.689 / 4.684
-# plain; batch 1 2.997 against 2.809 plain. A/B switch for eval scripts (1: every step; a large number: none).
+# plain; batch 1 2.997 against 2.809 plain. Forwards of more than JUNCTION_PROGRAMMATIC_MAX_ROWS rows (prompts) keep
+# the plain launch, whose TTFT was measured; the programmatic one was not measured there. A/B switch for eval scripts
+# (1: every decode step; a large number: none).
 JUNCTION_PROGRAMMATIC_ROWS = 2
+JUNCTION_PROGRAMMATIC_MAX_ROWS = 64  # the benchmark's largest decode batch
 
 
 @register_op("rms_norm", CUDA)
@@ -472,7 +475,8 @@ def residual_norm(
     args = (ptr(x), ptr(branch), ptr(branch_weight), ptr(next_weight), ptr(total), ptr(following), i32(hidden),
             f32(eps), i32(JUNCTION_MODES[mode]))  # fmt: skip
     rows = x.numel() // hidden
-    programmatic = rows >= JUNCTION_PROGRAMMATIC_ROWS  # eager steps pick the same kernel (same arithmetic either way)
+    # Eager steps pick the same kernel as captured ones (same arithmetic either way).
+    programmatic = JUNCTION_PROGRAMMATIC_ROWS <= rows <= JUNCTION_PROGRAMMATIC_MAX_ROWS
     wait = "true" if programmatic else "false"
     _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", rows, hidden, args, dependent=programmatic)
     return total, following
