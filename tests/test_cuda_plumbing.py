@@ -54,6 +54,21 @@ def launches(monkeypatch):
     return recorded
 
 
+def launches_of(monkeypatch, prefix):
+    """(dependent, cluster, name, grid) of every launch of a kernel whose name starts with ``prefix``; the launches
+    are still recorded by the ``launches`` fixture."""
+    found = []
+    record = ops_cuda.launch
+
+    def launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
+        if fn[1].startswith(prefix):
+            found.append((dependent, cluster, fn[1], grid))
+        record(fn, grid, block, args, shared_mem, dependent, cluster)
+
+    monkeypatch.setattr(ops_cuda, "launch", launch)
+    return found
+
+
 def _model(variant, bits):
     model = tiny_model(variant, hidden_size=64, intermediate_size=128)
     if bits:
@@ -202,15 +217,7 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
 def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkeypatch, batch):
     """Paged decode loads its first K/V before pdl_wait; graphs launch it programmatically where its splits are
     single CTAs (many rows), and plainly as clusters (few rows: slower programmatically on the H200)."""
-    paged = []
-    record = ops_cuda.launch
-
-    def launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
-        if fn[1].startswith("paged_decode"):
-            paged.append((dependent, cluster, fn[1]))
-        record(fn, grid, block, args, shared_mem, dependent, cluster)
-
-    monkeypatch.setattr(ops_cuda, "launch", launch)
+    paged = launches_of(monkeypatch, "paged_decode")
     model = _model("llama", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
     with torch.no_grad():
@@ -219,9 +226,9 @@ def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkey
         model(torch.randint(1, 256, (batch, 1)), past_key_values=cache, use_cache=True)
     assert len(paged) == model.config.num_hidden_layers
     expected_cluster = ops_cuda.DECODE_CLUSTER if batch == 1 else 1
-    assert all(cluster == expected_cluster for _, cluster, _ in paged)
-    assert all(dependent == (cluster == 1) for dependent, cluster, _ in paged)
-    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}>") for *_, name in paged)
+    assert all(cluster == expected_cluster for _, cluster, *_ in paged)
+    assert all(dependent == (cluster == 1) for dependent, cluster, *_ in paged)
+    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}>") for _, _, name, _ in paged)
 
 
 def test_int8_kv_passes_scales(launches):
@@ -354,15 +361,7 @@ def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, m
     them programmatically (the kernel variant that loads its norm weights before pdl_wait), one row plainly (slower
     programmatically on the H200)."""
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
-    junctions = []
-    record = ops_cuda.launch
-
-    def launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
-        if fn[1].startswith("residual_norm"):
-            junctions.append((dependent, fn[1], grid))
-        record(fn, grid, block, args, shared_mem, dependent, cluster)
-
-    monkeypatch.setattr(ops_cuda, "launch", launch)
+    junctions = launches_of(monkeypatch, "residual_norm")
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
     with torch.no_grad():
@@ -377,4 +376,4 @@ def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, m
     assert all(grid == (batch,) for *_, grid in junctions)
     programmatic = ops_cuda.JUNCTION_PROGRAMMATIC_ROWS <= batch <= ops_cuda.JUNCTION_PROGRAMMATIC_MAX_ROWS
     assert all(dependent == programmatic for dependent, *_ in junctions)
-    assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, name, _ in junctions)
+    assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, _, name, _ in junctions)
