@@ -101,6 +101,8 @@ def main() -> None:
         action="store_true",
         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait",
     )
+    parser.add_argument("--paged-staged", action="store_true",
+                        help="paged decode's second step copied into shared memory before pdl_wait")  # fmt: skip
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
     parser.add_argument("--attention-block", action="store_true",
@@ -115,6 +117,7 @@ def main() -> None:
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
+    ops_cuda.PAGED_STAGED = args.paged_staged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without)
@@ -136,6 +139,7 @@ def main() -> None:
     kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     kv += ", programmatic junctions" if args.junction_programmatic else ""
     kv += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
+    kv += ", staged paged decode" if args.paged_staged else ""
     print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
 
 

@@ -70,9 +70,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
+        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}, {st}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
-                               for d in (PAGED_DIMS if full else (128,))],
+                               for d in (PAGED_DIMS if full else (128,)) for st in ((0, 1) if i == 0 else (0,))],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
                                for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
@@ -649,6 +649,11 @@ PAGED_PROGRAMMATIC = True
 # Cluster launches (batch 1) programmatic too, with the next launch let start only once paged decode is past
 # pdl_wait (kernel argument trigger_late). A/B switch for eval scripts.
 PAGED_CLUSTER_PROGRAMMATIC = False
+# 16-bit K/V: each CTA's second step of tokens copied into shared memory (cp.async) with its first step's loads, so
+# that both are in flight at once (kernel template argument STAGED). Not yet measured on a GPU; A/B switch for eval
+# scripts (ablate_decode --paged-staged).
+PAGED_STAGED = False
+_STAGE_BYTES = 2 * 4 * _THREADS * 16  # paged_attention.cu: STAGE_SLOTS 16-byte slots (UNROLL = 4)
 
 
 def paged_decode(
@@ -691,8 +696,11 @@ def paged_decode(
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
     smem = 4 * _decode_shared_floats(vectors, dim, splits)
+    stage_second = PAGED_STAGED and not int8 and -(-smem // 16) * 16 + _STAGE_BYTES <= _SMEM_LIMIT
+    if stage_second:
+        smem = -(-smem // 16) * 16 + _STAGE_BYTES
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}>"
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {int(stage_second)}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,
            dependent=PAGED_PROGRAMMATIC and (cluster == 1 or PAGED_CLUSTER_PROGRAMMATIC), cluster=cluster)  # fmt: skip
     return out.view(rows, heads * dim)
