@@ -63,9 +63,42 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
 }  # fmt: skip
 
 
+def _hinted_load(target: str, pointer: str, priority: str, nc: bool = True) -> str:
+    """``target = *(const uint4*)(pointer)`` as a 16-byte global load with an L2 eviction priority (createpolicy +
+    .L2::cache_hint), in inline PTX; ``nc``: through the read-only path without L1 allocation."""
+    path = ".nc.L1::no_allocate" if nc else ""
+    ptx = (f"{{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::{priority}.b64 policy, 1.0;\\n "
+           f"ld.global{path}.L2::cache_hint.v4.u32 {{%0,%1,%2,%3}}, [%4], policy;\\n}}")
+    return (f"{{ uint4 v; asm(\"{ptx}\" : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : "
+            f"\"l\"(reinterpret_cast<const uint4*>({pointer}))); {target} = v; }}")
+
+
+_KV_POINTER = "static_cast<const T*>(pages) + static_cast<long long>(slot) * D +"
+_KV_LOAD = f"raw.bits = *reinterpret_cast<const uint4*>({_KV_POINTER}\n{' ' * 51}offset);"
+_NORM_LOADS = [f"if (w_{name} != nullptr) {name}_weight_first = *reinterpret_cast<const uint4*>(w_{name} + col);"
+               for name in ("branch", "next")]  # fmt: skip
+# --l2-hints NAME: L2 eviction priorities (source patches like WITHOUT's): the streamed weights and K/V evicted first,
+# so that what a step reads again (norm weights, activations, block tables) stays in L2; or the junction's norm
+# weights kept (evict_last). Each text must occur once (tests/test_kernels_compile.py). The K/V loads stay off the
+# read-only path: a step's new token is written by the launch before.
+HINTS: dict[str, list[tuple[str, str, str]]] = {
+    "weights-evict-first": [("common.cuh", 'asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"',
+                             'asm("{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::evict_first.b64 policy, '
+                             '1.0;\\n ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], '
+                             'policy;\\n}"')],
+    "kv-evict-first": [("paged_attention.cu", _KV_LOAD,
+                        _hinted_load("raw.bits", _KV_POINTER + " offset", "evict_first", nc=False))],
+    "norms-evict-last": [
+        ("norm.cuh", old, old.split(") ", 1)[0] + ") " + _hinted_load(f"{name}_weight_first", f"w_{name} + col",
+                                                                     "evict_last"))
+        for old, name in zip(_NORM_LOADS, ("branch", "next"), strict=True)
+    ],
+}  # fmt: skip
+
+
 def patch_sources(names: list[str]) -> None:
-    """Compile the kernels with the WITHOUT patches ``names`` applied (before any kernel is compiled)."""
-    patches = [patch for name in names for patch in WITHOUT[name]]
+    """Compile the kernels with the WITHOUT / HINTS patches ``names`` applied (before any kernel is compiled)."""
+    patches = [patch for name in names for patch in {**WITHOUT, **HINTS}[name]]
     original = loader.source
 
     def patched(file: str, _seen: set[str] | None = None) -> str:
@@ -73,7 +106,7 @@ def patch_sources(names: list[str]) -> None:
         for target, old, new in patches:
             if file == target:
                 if text.count(old) != 1:
-                    raise ValueError(f"ablate_decode: the --without patch for {target} no longer matches its source")
+                    raise ValueError(f"ablate_decode: a source patch for {target} no longer matches its source")
                 text = text.replace(old, new)
         return text
 
@@ -87,6 +120,8 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="substrings of kernel names not to launch")
     parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
                         help="work removed from the projections' loops (activation loads, math)")  # fmt: skip
+    parser.add_argument("--l2-hints", nargs="*", default=[], choices=sorted(HINTS),
+                        help="L2 eviction priorities patched into loads (weights, K/V, norm weights)")  # fmt: skip
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
@@ -120,7 +155,7 @@ def main() -> None:
     ops_cuda.PAGED_STAGED = args.paged_staged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
-    patch_sources(args.without)
+    patch_sources(args.without + args.l2_hints)
     base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
     del base
@@ -134,6 +169,7 @@ def main() -> None:
             model(step, past_key_values=cache, use_cache=True)
         replay = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True), repeats=20)
     removed = f", without {' '.join(args.without)}" if args.without else ""
+    removed += f", L2 hints {' '.join(args.l2_hints)}" if args.l2_hints else ""
     kv = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
     kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
