@@ -50,7 +50,7 @@ def summarize(replay: list[tuple[float, float, str]]) -> list[tuple[str, int, fl
         kind = kind_of(name)
         if kind not in stats:
             order.append(kind)
-        stats[kind].append((end - start, previous_end - start, end - previous_end))
+        stats[kind].append((end - start, previous_end - start, max(0.0, end - previous_end)))
         previous_end = max(previous_end, end)
     rows = []
     for kind in order:

@@ -162,3 +162,24 @@ def test_variants_are_quantized_copies_that_leave_the_base_model_as_it_was():
     assert isinstance(variant.model.loop_layers[0].mlp.down_proj, QuantLinear)
     assert not any(isinstance(module, QuantLinear) for module in base.modules())
     assert all(torch.equal(before[name], tensor) for name, tensor in base.state_dict().items())
+
+
+def test_replay_timeline_adds_up_each_kernels_share_of_the_step():
+    """eval/replay_timeline: what a kernel adds is its end minus the latest end before it (overlap counted once),
+    per kernel kind; the added times sum to the replay's span."""
+    from tinyloop_hf.eval.replay_timeline import kind_of, split_replays, summarize
+
+    replay = [  # (start, end, name) in start order: B starts before A ends (programmatic launch)
+        (0.0, 4.0, "void A<1>(int)"),
+        (3.0, 10.0, "void B<2>(int, float)"),
+        (10.5, 12.0, "void A<1>(int)"),
+        (11.0, 11.5, "void C(int)"),  # ends before the A launch running beside it: adds nothing
+    ]
+    rows = {kind: row for kind, *row in summarize(replay)}
+    assert kind_of("void B<2>(int, float)") == "B<2>"
+    # calls, median duration, median start before the previous end, median and total added
+    assert rows["A<1>"] == [2, 2.75, -0.25, 3.0, 6.0]
+    assert rows["B<2>"] == [1, 7.0, 1.0, 6.0, 6.0]
+    assert rows["C"] == [1, 0.5, 1.0, 0.0, 0.0]
+    assert sum(row[-1] for row in rows.values()) == replay[-2][1] - replay[0][0]
+    assert split_replays(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5]]
