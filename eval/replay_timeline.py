@@ -4,6 +4,7 @@ kernels ran, how early they started before the previous kernel ended (the overla
 what each adds to the step: its end minus the previous kernel's end. The added times sum to the step.
 
     python -m tinyloop_hf.eval.replay_timeline --batch 1
+    python -m tinyloop_hf.eval.replay_timeline --generate 64 --context 128   # a generate() step: busy and idle
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import json
 import re
 import statistics
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,6 +62,47 @@ def summarize(replay: list[tuple[float, float, str]]) -> list[tuple[str, int, fl
     return rows
 
 
+def step_windows(kernels: list[tuple[float, float, str]], marker: str) -> list[tuple[float, float, Counter]]:
+    """Per decode step of a profiled generate(): (period, GPU busy time, kernel kinds with their busy time) between
+    the ends of consecutive ``marker`` kernels (the LM head: one per step). Busy is the union of the kernels'
+    intervals in the window, so kernels overlapping on two streams count once; the period minus it is GPU idle."""
+    ends = [end for _, end, name in kernels if marker in name]
+    windows = []
+    for lo, hi in zip(ends, ends[1:], strict=False):
+        inside = sorted((max(s, lo), min(e, hi), n) for s, e, n in kernels if e > lo and s < hi)
+        busy, reach, kinds = 0.0, lo, Counter()
+        for start, end, name in inside:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+            kinds[kind_of(name)] += end - start
+        windows.append((hi - lo, busy, kinds))
+    return windows
+
+
+def profile_generate(model: Any, ids: torch.Tensor, new_tokens: int, marker: str) -> None:
+    """Profile one greedy generate() and print a step's period, GPU busy and idle time, and its kernels' time."""
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    model.generate(ids, **kwargs)  # warm-up: graphs captured
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        windows = step_windows(kernel_events(trace), marker)[2:]  # past the prompt and the first plain step
+    if not windows:
+        raise SystemExit(f"no two steps found: no kernel name contains {marker!r} (--marker)")
+    period = statistics.median(w[0] for w in windows)
+    busy = statistics.median(w[1] for w in windows)
+    print(f"generate(): {len(windows)} steps; per step {period:.1f} us, GPU busy {busy:.1f} us, "
+          f"idle {period - busy:.1f} us")  # fmt: skip
+    total = sum((w[2] for w in windows), Counter())
+    print(f"{'kernel':90s} {'us per step':>11s}")
+    for kind, time in total.most_common(14):
+        print(f"{kind:90s} {time / len(windows):11.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -70,6 +113,9 @@ def main() -> None:
     parser.add_argument("--junction-programmatic", action="store_true")
     parser.add_argument("--paged-cluster-programmatic", action="store_true")
     parser.add_argument("--dump", type=Path, help="write every kernel of the last replay here (tsv)")
+    parser.add_argument("--generate", type=int, metavar="N",
+                        help="profile a greedy generate() of N new tokens from a --context prompt instead")  # fmt: skip
+    parser.add_argument("--marker", default="gemv_quant<8", help="a kernel run once per step (--generate)")
     args = parser.parse_args()
     fused_decode.FUSED_DECODE = args.fused_decode
     attention_block.ATTENTION_BLOCK = args.attention_block
@@ -79,6 +125,9 @@ def main() -> None:
     model = build_ours(base, 4).use_cuda_path()
     del base
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
+    if args.generate:
+        profile_generate(model, ids, args.generate, args.marker)
+        return
     with torch.no_grad():
         cache = model.new_cache(args.context + 64)
         model(ids, past_key_values=cache, use_cache=True)

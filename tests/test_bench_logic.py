@@ -183,3 +183,21 @@ def test_replay_timeline_adds_up_each_kernels_share_of_the_step():
     assert rows["C"] == [1, 0.5, 1.0, 0.0, 0.0]
     assert sum(row[-1] for row in rows.values()) == replay[-2][1] - replay[0][0]
     assert split_replays(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_generate_steps_count_overlapping_kernels_once_and_idle_time_as_the_rest():
+    """replay_timeline --generate: a step's window runs from one LM-head kernel's end to the next; kernels on two
+    streams that overlap count once in its busy time."""
+    from tinyloop_hf.eval.replay_timeline import step_windows
+
+    kernels = [
+        (0.0, 2.0, "void head<8>(int)"),
+        (3.0, 6.0, "void layer(int)"),
+        (4.0, 5.0, "void other_stream(int)"),  # inside the layer kernel's interval
+        (7.0, 8.0, "void head<8>(int)"),
+        (8.5, 9.0, "void tail(int)"),
+        (9.5, 10.0, "void head<8>(int)"),
+    ]
+    windows = step_windows(kernels, "head<8>")
+    assert [(period, busy) for period, busy, _ in windows] == [(6.0, 4.0), (2.0, 1.0)]
+    assert windows[0][2] == {"head<8>": 1.0, "layer": 3.0, "other_stream": 1.0}
