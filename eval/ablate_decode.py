@@ -131,6 +131,8 @@ def main() -> None:
         action="store_true",
         help="residual junctions launched programmatically at every batch (ops_cuda.JUNCTION_PROGRAMMATIC_ROWS)",
     )
+    parser.add_argument("--junction-early-trigger", action="store_true",
+                        help="programmatic junctions let the next launch start at once")  # fmt: skip
     parser.add_argument(
         "--paged-cluster-programmatic",
         action="store_true",
@@ -152,6 +154,7 @@ def main() -> None:
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
+    ops_cuda.JUNCTION_EARLY_TRIGGER = args.junction_early_trigger
     ops_cuda.PAGED_STAGED = args.paged_staged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
@@ -174,6 +177,7 @@ def main() -> None:
     kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
     kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     kv += ", programmatic junctions" if args.junction_programmatic else ""
+    kv += " (early trigger)" if args.junction_early_trigger else ""
     kv += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     kv += ", staged paged decode" if args.paged_staged else ""
     print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")

@@ -67,8 +67,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
-        "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
-                                                          for w in ("false", "true")],
+        "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {p}>" for t in types for p in (0, 1, 2)],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
         "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}, {st}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
@@ -442,6 +441,10 @@ def _norm_launch(name: str, rows: int, hidden: int, args: tuple, dependent: bool
 # (1: every decode step; a large number: none).
 JUNCTION_PROGRAMMATIC_ROWS = 2
 JUNCTION_PROGRAMMATIC_MAX_ROWS = 64  # the benchmark's largest decode batch
+# A programmatic junction that lets the next launch start at once instead of after its pdl_wait (kernel template
+# argument PROGRAMMATIC 2 instead of 1): the next GEMV may then start loading weights while the GEMV before the
+# junction still runs. Not yet measured; A/B switch for eval scripts (ablate_decode --junction-early-trigger).
+JUNCTION_EARLY_TRIGGER = False
 
 
 @register_op("rms_norm", CUDA)
@@ -477,8 +480,8 @@ def residual_norm(
     rows = x.numel() // hidden
     # Eager steps pick the same kernel as captured ones (same arithmetic either way).
     programmatic = JUNCTION_PROGRAMMATIC_ROWS <= rows <= JUNCTION_PROGRAMMATIC_MAX_ROWS
-    wait = "true" if programmatic else "false"
-    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", rows, hidden, args, dependent=programmatic)
+    variant = (2 if JUNCTION_EARLY_TRIGGER else 1) if programmatic else 0
+    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {variant}>", rows, hidden, args, dependent=programmatic)
     return total, following
 
 

@@ -355,12 +355,14 @@ def test_attribute_launch_passes_the_arguments_and_attributes(monkeypatch):
         loader._launch_ex(function, (1,), (32,), args, 0, 0, attributes[1:])
 
 
+@pytest.mark.parametrize("early", [False, True])  # ops_cuda.JUNCTION_EARLY_TRIGGER
 @pytest.mark.parametrize("batch", [1, 16])
-def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, monkeypatch, batch):
+def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, monkeypatch, batch, early):
     """With programmatic launches (sm_90+) the junctions are their own kernels; a step of several rows launches
     them programmatically (the kernel variant that loads its norm weights before pdl_wait), one row plainly (slower
     programmatically on the H200)."""
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
+    monkeypatch.setattr(ops_cuda, "JUNCTION_EARLY_TRIGGER", early)
     junctions = launches_of(monkeypatch, "residual_norm")
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
@@ -376,4 +378,5 @@ def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, m
     assert all(grid == (batch,) for *_, grid in junctions)
     programmatic = ops_cuda.JUNCTION_PROGRAMMATIC_ROWS <= batch <= ops_cuda.JUNCTION_PROGRAMMATIC_MAX_ROWS
     assert all(dependent == programmatic for dependent, *_ in junctions)
-    assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, _, name, _ in junctions)
+    variant = (2 if early else 1) if programmatic else 0  # norm.cu's PROGRAMMATIC argument
+    assert all(name.endswith(f", {variant}>") for _, _, name, _ in junctions)

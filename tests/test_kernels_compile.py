@@ -89,7 +89,7 @@ def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, 
 _HINTED_KERNELS = {
     "weights-evict-first": ("gemv_quant.cu", ["gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>"]),
     "kv-evict-first": ("paged_attention.cu", ["paged_decode<__nv_bfloat16, 0, 1, 8, 128, 0>"]),
-    "norms-evict-last": ("norm.cu", ["residual_norm<__nv_bfloat16, true>"]),
+    "norms-evict-last": ("norm.cu", ["residual_norm<__nv_bfloat16, 1>"]),
 }
 
 

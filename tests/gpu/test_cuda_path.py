@@ -255,6 +255,21 @@ def _single_cta_rows(variant: str, tokens: int) -> int:
     return next(rows for rows in itertools.count(1) if cluster(rows) == 1)
 
 
+@pytest.mark.parametrize("variant", ["ouro", "huginn"])
+def test_graphs_equal_eager_with_early_triggering_junctions(variant, monkeypatch):
+    """ops_cuda.JUNCTION_EARLY_TRIGGER: a multi-row step's programmatic junctions let the next GEMV launch at once
+    (before their pdl_wait). Graph replays still give the eager tokens exactly."""
+    from tinyloop_hf.kernels import ops_cuda
+
+    monkeypatch.setattr(ops_cuda, "JUNCTION_EARLY_TRIGGER", True)
+    _, fast = _pair(variant, QUANTS["int4-g32"])
+    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
+    ids = IDS.cuda()  # three rows: programmatic junctions
+    for _ in range(2):  # the first call captures, the second replays
+        assert torch.equal(fast.generate(ids, max_new_tokens=10, do_sample=False),
+                           eager.generate(ids, max_new_tokens=10, do_sample=False))  # fmt: skip
+
+
 @pytest.mark.parametrize("variant", ["ouro", "llama"])
 def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch):
     """Enough rows that paged decode's splits are single CTAs, which graphs launch programmatically: the cached
