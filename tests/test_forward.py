@@ -203,3 +203,23 @@ def test_resize_token_embeddings_keeps_old_rows(variant):
     assert torch.allclose(after[..., :256], before, atol=1e-5)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+
+
+def test_a_captured_step_leaves_the_exit_gate_out_unless_an_exit_needs_it(monkeypatch):
+    """Inside a CUDA-graph capture (whose replays return logits alone) the exit gate is not computed: the same
+    logits, no gate outputs; an exit threshold still gets its gates."""
+    from tinyloop_hf import modeling_tinyloop
+
+    model = tiny_model("ouro")
+    gate_calls = []
+    model.model.exit_gate.register_forward_hook(lambda *args: gate_calls.append(1))
+    with torch.no_grad():
+        plain = model.model(IDS)
+        assert plain.exit_probabilities is not None and len(gate_calls) == model.config.num_loops
+        gate_calls.clear()
+        monkeypatch.setattr(modeling_tinyloop, "graph_capturing", lambda: True)
+        captured = model.model(IDS)
+        assert not gate_calls and captured.exit_probabilities is None and captured.gate_logits is None
+        assert torch.equal(captured.last_hidden_state, plain.last_hidden_state)
+        threshold = model.model(IDS, exit_threshold=0.5)
+        assert len(gate_calls) == model.config.num_loops and threshold.exit_probabilities is not None

@@ -436,9 +436,13 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             hidden = self._run_layers(
                 self.prelude_layers, hidden, context, lambda index: _slot(cache, "prelude", index)
             )
+            # A captured step's replays return its logits alone (cuda_path.run), so a capture that no exit rule
+            # needs gates for leaves the exit gate out (per loop, a GEMV and the exit distribution's kernels).
+            gates_needed = not (graph_capturing() and rule is None and threshold is None and exit_at_step is None)
             state, states, gates, loops_run = self._run_loops(
-                hidden, context, total_loops, loops_per_row, position_ids, keep_states, exit_rule=rule
-            )
+                hidden, context, total_loops, loops_per_row, position_ids, keep_states, exit_rule=rule,
+                gates_needed=gates_needed,
+            )  # fmt: skip
             probabilities = exit_distribution(gates, loops_per_row) if gates else None
             if exit_at_step is not None:
                 state = states[exit_at_step]
@@ -481,9 +485,11 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         first_loop: int = 0,
         state: torch.Tensor | None = None,
         exit_rule: EarlyExit | None = None,
+        gates_needed: bool = True,
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
         """Run the loop block (from ``first_loop`` with ``state``, or from the start): (state, states kept, gate
-        logits per loop, loops each row computed [B] where rows may stop early, else None).
+        logits per loop (none without ``gates_needed``), loops each row computed [B] where rows may stop early, else
+        None).
 
         With per-row depths or an exit rule, a row stops computing once its depth is reached or the rule says so,
         and keeps its state; the loop slots it skipped (up to the cache's depth) reuse its last computed loop's K/V.
@@ -508,7 +514,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                 rows = running.nonzero().squeeze(1)
                 x = self._loop_pass(state[rows], loop_input[rows], context.select(rows), loop)
                 state = state.index_copy(0, rows, x)
-            if self.config.exit_gate:
+            if self.config.exit_gate and (gates_needed or exit_rule is not None):
                 gates.append(self.exit_gate(state).squeeze(-1))
             if keep_states:
                 states.append(state)
