@@ -14,9 +14,12 @@ be reused across captures.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.kernels import attention_block, fused_decode, loader, ops_cuda
 
 from .bench import base_model, build_ours
@@ -63,14 +66,19 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
 }  # fmt: skip
 
 
+def _policy_load_ptx(priority: str, path: str = ".nc.L1::no_allocate") -> str:
+    """Inline-PTX text (inside a C string) of a 16-byte global load {%0..%3} <- [%4] with an L2 eviction priority:
+    createpolicy + .L2::cache_hint; ``path`` "" keeps it off the read-only path."""
+    return (f"{{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::{priority}.b64 policy, 1.0;\\n "
+            f"ld.global{path}.L2::cache_hint.v4.u32 {{%0,%1,%2,%3}}, [%4], policy;\\n}}")  # fmt: skip
+
+
 def _hinted_load(target: str, pointer: str, priority: str, nc: bool = True) -> str:
-    """``target = *(const uint4*)(pointer)`` as a 16-byte global load with an L2 eviction priority (createpolicy +
-    .L2::cache_hint), in inline PTX; ``nc``: through the read-only path without L1 allocation."""
-    path = ".nc.L1::no_allocate" if nc else ""
-    ptx = (f"{{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::{priority}.b64 policy, 1.0;\\n "
-           f"ld.global{path}.L2::cache_hint.v4.u32 {{%0,%1,%2,%3}}, [%4], policy;\\n}}")
+    """``target = *(const uint4*)(pointer)`` as such a load; ``nc``: through the read-only path without L1
+    allocation."""
+    ptx = _policy_load_ptx(priority, ".nc.L1::no_allocate" if nc else "")
     return (f"{{ uint4 v; asm(\"{ptx}\" : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : "
-            f"\"l\"(reinterpret_cast<const uint4*>({pointer}))); {target} = v; }}")
+            f"\"l\"(reinterpret_cast<const uint4*>({pointer}))); {target} = v; }}")  # fmt: skip
 
 
 _KV_POINTER = "static_cast<const T*>(pages) + static_cast<long long>(slot) * D +"
@@ -83,9 +91,7 @@ _NORM_LOADS = [f"if (w_{name} != nullptr) {name}_weight_first = *reinterpret_cas
 # read-only path: a step's new token is written by the launch before.
 HINTS: dict[str, list[tuple[str, str, str]]] = {
     "weights-evict-first": [("common.cuh", 'asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"',
-                             'asm("{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::evict_first.b64 policy, '
-                             '1.0;\\n ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], '
-                             'policy;\\n}"')],
+                             f'asm("{_policy_load_ptx("evict_first")}"')],
     "kv-evict-first": [("paged_attention.cu", _KV_LOAD,
                         _hinted_load("raw.bits", _KV_POINTER + " offset", "evict_first", nc=False))],
     "norms-evict-last": [
@@ -113,74 +119,107 @@ def patch_sources(names: list[str]) -> None:
     loader.source = patched
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_switches(parser: argparse.ArgumentParser) -> None:
+    """The decode step's A/B switches (kernel choices and source patches), shared with replay_timeline."""
+    # fmt: off
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
-    parser.add_argument("--skip", nargs="*", default=[], help="substrings of kernel names not to launch")
     parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
-                        help="work removed from the projections' loops (activation loads, math)")  # fmt: skip
+                        help="work removed from the projections' loops (activation loads, math)")
     parser.add_argument("--l2-hints", nargs="*", default=[], choices=sorted(HINTS),
-                        help="L2 eviction priorities patched into loads (weights, K/V, norm weights)")  # fmt: skip
+                        help="L2 eviction priorities patched into loads (weights, K/V, norm weights)")
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
-    parser.add_argument(
-        "--junction-programmatic",
-        action="store_true",
-        help="residual junctions launched programmatically at every batch (ops_cuda.JUNCTION_PROGRAMMATIC_ROWS)",
-    )
+    parser.add_argument("--junction-programmatic", action="store_true",
+                        help="residual junctions launched programmatically at every batch")
     parser.add_argument("--junction-early-trigger", action="store_true",
-                        help="programmatic junctions let the next launch start at once")  # fmt: skip
-    parser.add_argument(
-        "--paged-cluster-programmatic",
-        action="store_true",
-        help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait",
-    )
+                        help="programmatic junctions let the next launch start at once")
+    parser.add_argument("--paged-cluster-programmatic", action="store_true",
+                        help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait")
     parser.add_argument("--paged-staged", action="store_true",
-                        help="paged decode's second step copied into shared memory before pdl_wait")  # fmt: skip
+                        help="paged decode's second step copied into shared memory before pdl_wait")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
     parser.add_argument("--attention-block", action="store_true",
-                        help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")  # fmt: skip
+                        help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
-    args = parser.parse_args()
+    # fmt: on
+
+
+def apply_switches(args: argparse.Namespace) -> None:
+    """Set the switches ``add_switches`` parsed, before any kernel is compiled or launched."""
     fused_decode.FUSED_DECODE = args.fused_decode
     attention_block.ATTENTION_BLOCK = args.attention_block
     attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
-    ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
+    if args.junction_programmatic:
+        ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     ops_cuda.JUNCTION_EARLY_TRIGGER = args.junction_early_trigger
     ops_cuda.PAGED_STAGED = args.paged_staged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without + args.l2_hints)
+
+
+def switches_label(args: argparse.Namespace, model: Any) -> str:
+    """What the switches turned on, as a suffix for the result line."""
+    label = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
+    label += ", fused decode kernel" if model._cuda_path.fused.steps else ""
+    label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
+    label += ", programmatic junctions" if args.junction_programmatic else ""
+    label += " (early trigger)" if args.junction_early_trigger else ""
+    label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
+    label += ", staged paged decode" if args.paged_staged else ""
+    return label
+
+
+def benchmark_model(args: argparse.Namespace) -> TinyLoopForCausalLM:
+    """The benchmark's INT4 L = 4 model on the CUDA path, with the K/V dtype asked for."""
     base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(kv_cache_dtype=args.kv_cache_dtype)
     del base
+    return model
+
+
+def warmed_decode_step(model: TinyLoopForCausalLM, args: argparse.Namespace,
+                       after_prompt: Callable[[], None] | None = None) -> Callable[[], None]:
+    """A decode step after a ``--context``-token prompt of ``--batch`` rows, its graph captured and replayed once;
+    ``after_prompt`` runs between the prompt (which compiles every kernel) and the first step."""
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
-    with torch.no_grad():
-        cache = model.new_cache(args.context + 64)
-        model(ids, past_key_values=cache, use_cache=True)  # the prompt runs every kernel
-        skip_kernels(args.skip)
-        step = ids[:, -1:]
-        for _ in range(3):  # eager warm-up, capture, replay
+    cache = model.new_cache(args.context + 64)
+    step = ids[:, -1:]
+
+    def replay() -> None:
+        with torch.no_grad():
             model(step, past_key_values=cache, use_cache=True)
-        replay = gpu_ms(lambda: model(step, past_key_values=cache, use_cache=True), repeats=20)
+
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    if after_prompt is not None:
+        after_prompt()
+    for _ in range(3):  # eager warm-up, capture, replay
+        replay()
+    return replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_switches(parser)
+    parser.add_argument("--skip", nargs="*", default=[], help="substrings of kernel names not to launch")
+    args = parser.parse_args()
+    apply_switches(args)
+    model = benchmark_model(args)
+    replay = warmed_decode_step(model, args, after_prompt=lambda: skip_kernels(args.skip))
+    time = gpu_ms(replay, repeats=20)
     removed = f", without {' '.join(args.without)}" if args.without else ""
     removed += f", L2 hints {' '.join(args.l2_hints)}" if args.l2_hints else ""
-    kv = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
-    kv += ", fused decode kernel" if model._cuda_path.fused.steps else ""
-    kv += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
-    kv += ", programmatic junctions" if args.junction_programmatic else ""
-    kv += " (early trigger)" if args.junction_early_trigger else ""
-    kv += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
-    kv += ", staged paged decode" if args.paged_staged else ""
-    print(f"batch {args.batch}{kv}, skipped {args.skip or 'nothing'}{removed}: {replay:.3f} ms per graph replay")
+    print(f"batch {args.batch}{switches_label(args, model)}, skipped {args.skip or 'nothing'}{removed}: "
+          f"{time:.3f} ms per graph replay")  # fmt: skip
 
 
 if __name__ == "__main__":

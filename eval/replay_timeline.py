@@ -15,14 +15,13 @@ import re
 import statistics
 import tempfile
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tinyloop_hf.kernels import attention_block, fused_decode, ops_cuda
-
-from .bench import base_model, build_ours
+from .ablate_decode import add_switches, apply_switches, benchmark_model, warmed_decode_step
 from .profile_decode import gpu_ms
 
 
@@ -37,6 +36,18 @@ def kernel_events(trace: Path) -> list[tuple[float, float, str]]:
     events = json.loads(trace.read_text())["traceEvents"]
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel"]
     return sorted(kernels)
+
+
+def profiled_kernels(run: Callable[[], None]) -> list[tuple[float, float, str]]:
+    """The kernel events (kernel_events) of ``run()`` under torch.profiler (CUPTI)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_events(trace)
 
 
 def split_replays(kernels: list[tuple[float, float, str]], per_replay: int) -> list[list[tuple[float, float, str]]]:
@@ -83,14 +94,8 @@ def profile_generate(model: Any, ids: torch.Tensor, new_tokens: int, marker: str
     """Profile one greedy generate() and print a step's period, GPU busy and idle time, and its kernels' time."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     model.generate(ids, **kwargs)  # warm-up: graphs captured
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model.generate(ids, **kwargs)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        windows = step_windows(kernel_events(trace), marker)[2:]  # past the prompt and the first plain step
+    kernels = profiled_kernels(lambda: model.generate(ids, **kwargs))
+    windows = step_windows(kernels, marker)[2:]  # past the prompt and the first plain step
     if not windows:
         raise SystemExit(f"no two steps found: no kernel name contains {marker!r} (--marker)")
     period = statistics.median(w[0] for w in windows)
@@ -105,61 +110,39 @@ def profile_generate(model: Any, ids: torch.Tensor, new_tokens: int, marker: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
+    add_switches(parser)
     parser.add_argument("--replays", type=int, default=5)
-    parser.add_argument("--fused-decode", action="store_true")
-    parser.add_argument("--attention-block", action="store_true")
-    parser.add_argument("--junction-programmatic", action="store_true")
-    parser.add_argument("--paged-cluster-programmatic", action="store_true")
     parser.add_argument("--dump", type=Path, help="write every kernel of the last replay here (tsv)")
     parser.add_argument("--generate", type=int, metavar="N",
                         help="profile a greedy generate() of N new tokens from a --context prompt instead")  # fmt: skip
     parser.add_argument("--marker", default="gemv_quant<8", help="a kernel run once per step (--generate)")
     args = parser.parse_args()
-    fused_decode.FUSED_DECODE = args.fused_decode
-    attention_block.ATTENTION_BLOCK = args.attention_block
-    ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1 if args.junction_programmatic else ops_cuda.JUNCTION_PROGRAMMATIC_ROWS
-    ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
-    base = base_model(4, 4096)
-    model = build_ours(base, 4).use_cuda_path()
-    del base
-    ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
+    apply_switches(args)
+    model = benchmark_model(args)
     if args.generate:
+        ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")
         profile_generate(model, ids, args.generate, args.marker)
         return
-    with torch.no_grad():
-        cache = model.new_cache(args.context + 64)
-        model(ids, past_key_values=cache, use_cache=True)
-        step = ids[:, -1:]
+    replay = warmed_decode_step(model, args)
+    plain = gpu_ms(replay, repeats=20)
 
-        def replay() -> None:
-            model(step, past_key_values=cache, use_cache=True)
-
-        for _ in range(3):  # eager warm-up, capture, replay
+    def replays() -> None:
+        for _ in range(args.replays):
             replay()
-        plain = gpu_ms(replay, repeats=20)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.replays):
-                replay()
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        kernels = kernel_events(trace)
+
+    kernels = profiled_kernels(replays)
     per_replay = len(kernels) // args.replays
-    replays = split_replays(kernels, per_replay)
-    spans = [r[-1][1] - r[0][0] for r in replays]
+    steps = split_replays(kernels, per_replay)
+    spans = [r[-1][1] - r[0][0] for r in steps]
     print(f"batch {args.batch}: {per_replay} kernels per replay; replay {plain:.3f} ms between CUDA events without the "
           f"profiler, {statistics.median(spans) / 1000:.3f} ms first start to last end under it")  # fmt: skip
-    rows = summarize(replays[len(replays) // 2])
+    rows = summarize(steps[len(steps) // 2])
     print(f"{'kernel':90s} {'calls':>5s} {'dur us':>7s} {'early us':>8s} {'added us':>8s} {'total ms':>8s}")
     for kind, calls, duration, early, added, total in sorted(rows, key=lambda r: -r[5]):
         print(f"{kind:90s} {calls:5d} {duration:7.2f} {early:8.2f} {added:8.2f} {total / 1000:8.3f}")
     if args.dump:
-        start0 = replays[-1][0][0]
-        lines = [f"{s - start0:.3f}\t{e - start0:.3f}\t{kind_of(n)}" for s, e, n in replays[-1]]
+        start0 = steps[-1][0][0]
+        lines = [f"{s - start0:.3f}\t{e - start0:.3f}\t{kind_of(n)}" for s, e, n in steps[-1]]
         args.dump.write_text("\n".join(lines) + "\n")
 
 
