@@ -3,18 +3,6 @@
 #pragma once
 #include "common.cuh"
 
-// An empty online-softmax state (no token yet): m = -inf, l = 0, o = 0.
-template <int MAXG>
-__device__ __forceinline__ void empty_states(float (&m)[MAXG], float (&l)[MAXG], float (&o)[MAXG][8]) {
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) {
-        m[g] = -TL_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
-    }
-}
-
 // The scores of UNROLL tokens against the G (<= MAXG) query vectors q_s [G][D] (shared memory, pre-scaled by
 // softmax_scale * log2(e)), the online-softmax update of (m, l) and the V accumulation into o. k_raw / v_raw: the
 // tokens' 8 elements in T as loaded; from_new[u]: token u is the step's new one, its K / V taken from k_new / v_new
@@ -26,16 +14,20 @@ __device__ __forceinline__ void attend_step(const uint4 (&k_raw)[UNROLL], const 
                                             const float* q_s, const float* k_new, const float* v_new, int G,
                                             int offset, float (&m)[MAXG], float (&l)[MAXG], float (&o)[MAXG][8]) {
     constexpr int per_token = D / 8;
+    // Token u's 8 elements of K or V: the step's new token from shared memory, the others as loaded.
+    auto elements = [&](int u, const uint4& raw, const float* fresh, float (&out)[8]) {
+        if (from_new[u]) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[e] = fresh[offset + e];
+        } else {
+            unpack8_as_float<T>(raw, out);
+        }
+    };
     float s[UNROLL][MAXG];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         float k[8];
-        if (from_new[u]) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) k[e] = k_new[offset + e];
-        } else {
-            unpack8_as_float<T>(k_raw[u], k);
-        }
+        elements(u, k_raw[u], k_new, k);
 #pragma unroll
         for (int g = 0; g < MAXG; ++g) {
             float dot = 0.0f;
@@ -67,12 +59,7 @@ __device__ __forceinline__ void attend_step(const uint4 (&k_raw)[UNROLL], const 
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         float v[8];
-        if (from_new[u]) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = v_new[offset + e];
-        } else {
-            unpack8_as_float<T>(v_raw[u], v);
-        }
+        elements(u, v_raw[u], v_new, v);
 #pragma unroll
         for (int g = 0; g < MAXG; ++g)
 #pragma unroll

@@ -1,4 +1,4 @@
-// Thread-block cluster helpers (sm_90+) and the merges of partial softmax states, shared by paged_attention.cu,
+// Thread-block cluster helpers (sm_90+) and the partial softmax states (empty, merged), shared by paged_attention.cu,
 // attention_block.cu and fused_decode.cu.
 #pragma once
 #include "common.cuh"
@@ -30,6 +30,18 @@ __device__ __forceinline__ float load_peer_shared(const float* p, unsigned rank)
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(value) : "r"(remote) : "memory");
 #endif
     return value;
+}
+
+// An empty online-softmax state (no token yet): m = -inf, l = 0, o = 0.
+template <int MAXG>
+__device__ __forceinline__ void empty_states(float (&m)[MAXG], float (&l)[MAXG], float (&o)[MAXG][8]) {
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        m[g] = -TL_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[g][e] = 0.0f;
+    }
 }
 
 // The weight 2^(m - top) of a partial softmax state with running max m in a merge whose overall max is top (an empty

@@ -699,9 +699,10 @@ def paged_decode(
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
     smem = 4 * _decode_shared_floats(vectors, dim, splits)
-    stage_second = PAGED_STAGED and not int8 and -(-smem // 16) * 16 + _STAGE_BYTES <= _SMEM_LIMIT
+    staged_smem = -(-smem // 16) * 16 + _STAGE_BYTES  # the stage 16-byte aligned after the rest
+    stage_second = PAGED_STAGED and not int8 and staged_smem <= _SMEM_LIMIT
     if stage_second:
-        smem = -(-smem // 16) * 16 + _STAGE_BYTES
+        smem = staged_smem
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
     name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {int(stage_second)}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,

@@ -147,6 +147,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
     // STAGED: [UNROLL][K, V][DECODE_THREADS] 16-byte slots, 16-byte aligned after the rest (each thread reads back
     // only the slots it copied, so no barrier guards them)
     uint4* stage = reinterpret_cast<uint4*>(smem + ((V * D + subs * V * (D + 2) + 2 * V + V * splits + 3) & ~3));
+    auto stage_slot = [&](int u, int kv) { return stage + (2 * u + kv) * DECODE_THREADS + threadIdx.x; };
     // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
     auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
     // Lengths, starts and block tables are filled before the step (before a graph's replay), so they and the K/V of
@@ -169,13 +170,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
     };
     pages_of(0);
     float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][8];
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
-        m[g] = -TL_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
-    }
+    empty_states(m, l, acc);
     // The K and V loads of one step of the token loop (UNROLL tokens per sub; the page numbers of the next step are
     // loaded behind them). FULL: every token of the step is valid, no bounds tests.
     Raw8 k_raw[UNROLL], v_raw[UNROLL];
@@ -211,8 +206,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int i = second + u * subs + sub;
-                uint4* k_slot = stage + (2 * u) * DECODE_THREADS + threadIdx.x;
-                uint4* v_slot = k_slot + DECODE_THREADS;
+                uint4 *k_slot = stage_slot(u, 0), *v_slot = stage_slot(u, 1);
                 if (i < n) {
                     const long long slot = (page[u] * Hkv + kv_head) * PAGE + ((t0 + i) & (PAGE - 1));
                     cp_async16(k_slot, static_cast<const T*>(k_pages) + slot * D + offset);
@@ -300,8 +294,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int i = base + u * subs + sub;
-                k_raw[u] = Raw8{stage[(2 * u) * DECODE_THREADS + threadIdx.x], 1.0f};
-                v_raw[u] = Raw8{stage[(2 * u + 1) * DECODE_THREADS + threadIdx.x], 1.0f};
+                k_raw[u] = Raw8{*stage_slot(u, 0), 1.0f};
+                v_raw[u] = Raw8{*stage_slot(u, 1), 1.0f};
                 if (i < n && t0 + i >= length - Q) load_token(u, i, page[u]);
             }
             if (base + UNROLL * subs < n) pages_of(base + UNROLL * subs);

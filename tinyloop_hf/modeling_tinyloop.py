@@ -514,7 +514,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                 rows = running.nonzero().squeeze(1)
                 x = self._loop_pass(state[rows], loop_input[rows], context.select(rows), loop)
                 state = state.index_copy(0, rows, x)
-            if self.config.exit_gate and (gates_needed or exit_rule is not None):
+            if self.config.exit_gate and gates_needed:
                 gates.append(self.exit_gate(state).squeeze(-1))
             if keep_states:
                 states.append(state)
