@@ -66,45 +66,9 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
 }  # fmt: skip
 
 
-def _policy_load_ptx(priority: str, path: str = ".nc.L1::no_allocate") -> str:
-    """Inline-PTX text (inside a C string) of a 16-byte global load {%0..%3} <- [%4] with an L2 eviction priority:
-    createpolicy + .L2::cache_hint; ``path`` "" keeps it off the read-only path."""
-    return (f"{{\\n .reg .b64 policy;\\n createpolicy.fractional.L2::{priority}.b64 policy, 1.0;\\n "
-            f"ld.global{path}.L2::cache_hint.v4.u32 {{%0,%1,%2,%3}}, [%4], policy;\\n}}")  # fmt: skip
-
-
-def _hinted_load(target: str, pointer: str, priority: str, nc: bool = True) -> str:
-    """``target = *(const uint4*)(pointer)`` as such a load; ``nc``: through the read-only path without L1
-    allocation."""
-    ptx = _policy_load_ptx(priority, ".nc.L1::no_allocate" if nc else "")
-    return (f"{{ uint4 v; asm(\"{ptx}\" : \"=r\"(v.x), \"=r\"(v.y), \"=r\"(v.z), \"=r\"(v.w) : "
-            f"\"l\"(reinterpret_cast<const uint4*>({pointer}))); {target} = v; }}")  # fmt: skip
-
-
-_KV_POINTER = "static_cast<const T*>(pages) + static_cast<long long>(slot) * D +"
-_KV_LOAD = f"raw.bits = *reinterpret_cast<const uint4*>({_KV_POINTER}\n{' ' * 51}offset);"
-_NORM_LOADS = [f"if (w_{name} != nullptr) {name}_weight_first = *reinterpret_cast<const uint4*>(w_{name} + col);"
-               for name in ("branch", "next")]  # fmt: skip
-# --l2-hints NAME: L2 eviction priorities (source patches like WITHOUT's): the streamed weights and K/V evicted first,
-# so that what a step reads again (norm weights, activations, block tables) stays in L2; or the junction's norm
-# weights kept (evict_last). Each text must occur once (tests/test_kernels_compile.py). The K/V loads stay off the
-# read-only path: a step's new token is written by the launch before.
-HINTS: dict[str, list[tuple[str, str, str]]] = {
-    "weights-evict-first": [("common.cuh", 'asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"',
-                             f'asm("{_policy_load_ptx("evict_first")}"')],
-    "kv-evict-first": [("paged_attention.cu", _KV_LOAD,
-                        _hinted_load("raw.bits", _KV_POINTER + " offset", "evict_first", nc=False))],
-    "norms-evict-last": [
-        ("norm.cuh", old, old.split(") ", 1)[0] + ") " + _hinted_load(f"{name}_weight_first", f"w_{name} + col",
-                                                                     "evict_last"))
-        for old, name in zip(_NORM_LOADS, ("branch", "next"), strict=True)
-    ],
-}  # fmt: skip
-
-
 def patch_sources(names: list[str]) -> None:
-    """Compile the kernels with the WITHOUT / HINTS patches ``names`` applied (before any kernel is compiled)."""
-    patches = [patch for name in names for patch in {**WITHOUT, **HINTS}[name]]
+    """Compile the kernels with the WITHOUT patches ``names`` applied (before any kernel is compiled)."""
+    patches = [patch for name in names for patch in WITHOUT[name]]
     original = loader.source
 
     def patched(file: str, _seen: set[str] | None = None) -> str:
@@ -126,20 +90,14 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
     parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
                         help="work removed from the projections' loops (activation loads, math)")
-    parser.add_argument("--l2-hints", nargs="*", default=[], choices=sorted(HINTS),
-                        help="L2 eviction priorities patched into loads (weights, K/V, norm weights)")
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     parser.add_argument("--junction-programmatic", action="store_true",
                         help="residual junctions launched programmatically at every batch")
-    parser.add_argument("--junction-early-trigger", action="store_true",
-                        help="programmatic junctions let the next launch start at once")
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
                         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait")
-    parser.add_argument("--paged-staged", action="store_true",
-                        help="paged decode's second step copied into shared memory before pdl_wait")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
     parser.add_argument("--attention-block", action="store_true",
@@ -159,11 +117,9 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.junction_programmatic:
         ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
-    ops_cuda.JUNCTION_EARLY_TRIGGER = args.junction_early_trigger
-    ops_cuda.PAGED_STAGED = args.paged_staged
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
-    patch_sources(args.without + args.l2_hints)
+    patch_sources(args.without)
 
 
 def switches_label(args: argparse.Namespace, model: Any) -> str:
@@ -172,9 +128,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", fused decode kernel" if model._cuda_path.fused.steps else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
-    label += " (early trigger)" if args.junction_early_trigger else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
-    label += ", staged paged decode" if args.paged_staged else ""
     return label
 
 
@@ -217,7 +171,6 @@ def main() -> None:
     replay = warmed_decode_step(model, args, after_prompt=lambda: skip_kernels(args.skip))
     time = gpu_ms(replay, repeats=20)
     removed = f", without {' '.join(args.without)}" if args.without else ""
-    removed += f", L2 hints {' '.join(args.l2_hints)}" if args.l2_hints else ""
     print(f"batch {args.batch}{switches_label(args, model)}, skipped {args.skip or 'nothing'}{removed}: "
           f"{time:.3f} ms per graph replay")  # fmt: skip
 

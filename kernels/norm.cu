@@ -13,16 +13,16 @@ __global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, 
 }
 
 // Bounded for 1024-thread launches (hidden 8192+): the preloaded vectors would otherwise take it past 64 registers.
-// PROGRAMMATIC 0: a plain launch that lets the next launch start at once. 1 and 2: launched programmatically (it
-// starts while the GEMV before it runs), the norm weights loaded before pdl_wait; the next launch may start once this
-// one is past pdl_wait (1) or at once (2).
-template <typename T, int PROGRAMMATIC>
+// WAIT: launched programmatically (it starts while the GEMV before it runs): the norm weights are loaded before
+// pdl_wait, and the next launch may start once this one is past it. Otherwise a plain launch that lets the next
+// launch start at once.
+template <typename T, bool WAIT>
 __global__ void __launch_bounds__(1024)
     residual_norm(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                   const T* __restrict__ w_next, T* __restrict__ sum_out, T* __restrict__ next_out, int H, float eps,
                   int mode) {
-    if constexpr (PROGRAMMATIC != 1) pdl_trigger();
+    if constexpr (!WAIT) pdl_trigger();
     const long long base = static_cast<long long>(blockIdx.x) * H;
-    junction_row<T, true, PROGRAMMATIC != 0, PROGRAMMATIC == 1>(x + base, branch + base, w_branch, w_next,
-                                                                sum_out + base, next_out + base, H, eps, mode);
+    junction_row<T, true, WAIT>(x + base, branch + base, w_branch, w_next, sum_out + base, next_out + base, H, eps,
+                                mode);
 }

@@ -70,8 +70,8 @@ __device__ void normalize(float (&v)[MAX_VECS][8], const T* __restrict__ weight,
 // loads are in flight at once instead of one round trip after each reduction. The GEMV prologue (64 registers)
 // loads each where it is used. Same arithmetic either way.
 // WAIT (the junction kernel launched programmatically): the norm weights, which no kernel writes, are loaded before
-// pdl_wait; TRIGGER_AFTER_WAIT: the next launch is let start after it.
-template <typename T, bool PRELOAD = false, bool WAIT = false, bool TRIGGER_AFTER_WAIT = false>
+// pdl_wait; the next launch is let start after it.
+template <typename T, bool PRELOAD = false, bool WAIT = false>
 __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ branch, const T* __restrict__ w_branch,
                              const T* __restrict__ w_next, T* sum_out, T* next_out, int H, float eps, int mode) {
     static_assert(PRELOAD || !WAIT, "the programmatic junction preloads its weights");
@@ -83,7 +83,7 @@ __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ bran
         }
         if constexpr (WAIT) {
             pdl_wait();
-            if constexpr (TRIGGER_AFTER_WAIT) pdl_trigger();
+            pdl_trigger();
         }
         if (const int col = threadIdx.x * 8; col < H) x_first = *reinterpret_cast<const uint4*>(x + col);
     }

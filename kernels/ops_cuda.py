@@ -67,11 +67,12 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
-        "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {p}>" for t in types for p in (0, 1, 2)],
+        "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
+                                                          for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}, {st}>" for t in types for i in (0, 1)
+        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
-                               for d in (PAGED_DIMS if full else (128,)) for st in ((0, 1) if i == 0 else (0,))],
+                               for d in (PAGED_DIMS if full else (128,))],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
                                for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
@@ -441,10 +442,6 @@ def _norm_launch(name: str, rows: int, hidden: int, args: tuple, dependent: bool
 # (1: every decode step; a large number: none).
 JUNCTION_PROGRAMMATIC_ROWS = 2
 JUNCTION_PROGRAMMATIC_MAX_ROWS = 64  # the benchmark's largest decode batch
-# A programmatic junction that lets the next launch start at once instead of after its pdl_wait (kernel template
-# argument PROGRAMMATIC 2 instead of 1): the next GEMV may then start loading weights while the GEMV before the
-# junction still runs. Not yet measured; A/B switch for eval scripts (ablate_decode --junction-early-trigger).
-JUNCTION_EARLY_TRIGGER = False
 
 
 @register_op("rms_norm", CUDA)
@@ -480,8 +477,8 @@ def residual_norm(
     rows = x.numel() // hidden
     # Eager steps pick the same kernel as captured ones (same arithmetic either way).
     programmatic = JUNCTION_PROGRAMMATIC_ROWS <= rows <= JUNCTION_PROGRAMMATIC_MAX_ROWS
-    variant = (2 if JUNCTION_EARLY_TRIGGER else 1) if programmatic else 0
-    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {variant}>", rows, hidden, args, dependent=programmatic)
+    wait = "true" if programmatic else "false"
+    _norm_launch(f"residual_norm<{cuda_type(x.dtype)}, {wait}>", rows, hidden, args, dependent=programmatic)
     return total, following
 
 
@@ -652,11 +649,6 @@ PAGED_PROGRAMMATIC = True
 # Cluster launches (batch 1) programmatic too, with the next launch let start only once paged decode is past
 # pdl_wait (kernel argument trigger_late). A/B switch for eval scripts.
 PAGED_CLUSTER_PROGRAMMATIC = False
-# 16-bit K/V: each CTA's second step of tokens copied into shared memory (cp.async) with its first step's loads, so
-# that both are in flight at once (kernel template argument STAGED). Not yet measured on a GPU; A/B switch for eval
-# scripts (ablate_decode --paged-staged).
-PAGED_STAGED = False
-_STAGE_BYTES = 2 * 4 * _THREADS * 16  # paged_attention.cu: STAGE_SLOTS 16-byte slots (UNROLL = 4)
 
 
 def paged_decode(
@@ -699,12 +691,8 @@ def paged_decode(
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
     smem = 4 * _decode_shared_floats(vectors, dim, splits)
-    staged_smem = -(-smem // 16) * 16 + _STAGE_BYTES  # the stage 16-byte aligned after the rest
-    stage_second = PAGED_STAGED and not int8 and staged_smem <= _SMEM_LIMIT
-    if stage_second:
-        smem = staged_smem
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {int(stage_second)}>"
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}>"
     launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,
            dependent=PAGED_PROGRAMMATIC and (cluster == 1 or PAGED_CLUSTER_PROGRAMMATIC), cluster=cluster)  # fmt: skip
     return out.view(rows, heads * dim)

@@ -23,17 +23,6 @@ constexpr int PAGE = 16;
 constexpr int DECODE_THREADS = 128;
 // Tokens per thread whose K and V loads are in flight together (raw: 10 registers each).
 constexpr int UNROLL = 4;
-// STAGED (16-bit K/V): the second step's K/V are copied into shared memory (cp.async, one 16-byte slot per thread,
-// token and K/V) with the first step's loads, so both steps' bytes are in flight at once instead of the second
-// step's being issued after the first step's math. Bytes: STAGE_SLOTS * 16 per CTA.
-constexpr int STAGE_SLOTS = 2 * UNROLL * DECODE_THREADS;
-
-__device__ __forceinline__ void cp_async16(uint4* smem, const void* global) {
-    const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // 8 consecutive K or V elements of one token and head as loaded (a 16-byte load in T; 8 bytes and the token's
 // scale in int8): kept raw until used, so UNROLL tokens' loads fit in registers together.
@@ -119,9 +108,8 @@ __device__ __forceinline__ Raw8 quantize_staged(const T* staged, long long stage
 // output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
 // flight together, with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2, 4 or 8) bounds the query
 // vectors per CTA (G * Q).
-// STAGED launches are held to the plain kernel's 72 registers (7 CTAs per SM) where that kernel has them.
-template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D, int STAGED>
-__global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 : 1) paged_decode(
+template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D>
+__global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
     const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths,
     const int* __restrict__ starts, T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -143,11 +131,6 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
     float* sub_ml = sub_o + subs * V * D;     // [subs][V][2]: max, sum
     float* cta_ml = sub_ml + subs * V * 2;    // [V][2]
     float* weights = cta_ml + 2 * V;          // [V][splits]: the global merge's weight per split
-    static_assert(!STAGED || !KV_INT8, "the staged second step serves 16-bit K/V");
-    // STAGED: [UNROLL][K, V][DECODE_THREADS] 16-byte slots, 16-byte aligned after the rest (each thread reads back
-    // only the slots it copied, so no barrier guards them)
-    uint4* stage = reinterpret_cast<uint4*>(smem + ((V * D + subs * V * (D + 2) + 2 * V + V * splits + 3) & ~3));
-    auto stage_slot = [&](int u, int kv) { return stage + (2 * u + kv) * DECODE_THREADS + threadIdx.x; };
     // Query vector v's output / query row: token j = v / G of the row (position length - Q + j), head g = v % G.
     auto row_of = [&](int v) { return (static_cast<long long>(b) * Q + v / G) * Hq + kv_head * G + v % G; };
     // Lengths, starts and block tables are filled before the step (before a graph's replay), so they and the K/V of
@@ -200,23 +183,6 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
     // the QKV projection before this kernel still does. Only the step's new tokens (positions from length - Q on,
     // which that kernel writes) are loaded again after the wait (page[] holds the next step's pages by then).
     load_step(0, false);
-    const int second = UNROLL * subs;  // the second step's first token (of this sub's group)
-    if constexpr (STAGED) {
-        if (second < n) {  // page[] holds the second step's pages now
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = second + u * subs + sub;
-                uint4 *k_slot = stage_slot(u, 0), *v_slot = stage_slot(u, 1);
-                if (i < n) {
-                    const long long slot = (page[u] * Hkv + kv_head) * PAGE + ((t0 + i) & (PAGE - 1));
-                    cp_async16(k_slot, static_cast<const T*>(k_pages) + slot * D + offset);
-                    cp_async16(v_slot, static_cast<const T*>(v_pages) + slot * D + offset);
-                } else {
-                    *k_slot = *v_slot = make_uint4(0u, 0u, 0u, 0u);  // zeros: p = 0 times v stays 0
-                }
-            }
-        }
-    }
     pdl_wait();
     if (trigger_late) pdl_trigger();
     waited = true;
@@ -289,17 +255,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, STAGED && MAX_GROUP == 1 ? 7 :
     for (int base = 0; base < n; base += UNROLL * subs) {
         const int first = t0 + base, end = first + UNROLL * subs;  // the step's tokens: [first, end)
         const bool full = base + UNROLL * subs <= n && first >= start && end <= length - Q + 1;
-        if (STAGED && base == second) {  // copied before the wait; new tokens (written since) read again
-            cp_async_wait_all();
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = base + u * subs + sub;
-                k_raw[u] = Raw8{*stage_slot(u, 0), 1.0f};
-                v_raw[u] = Raw8{*stage_slot(u, 1), 1.0f};
-                if (i < n && t0 + i >= length - Q) load_token(u, i, page[u]);
-            }
-            if (base + UNROLL * subs < n) pages_of(base + UNROLL * subs);
-        } else if (base > 0) {  // the first step's loads were issued before the wait
+        if (base > 0) {  // the first step's loads were issued before the wait
             if (full) load_step(base, true);
             else load_step(base, false);
         }

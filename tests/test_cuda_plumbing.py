@@ -156,7 +156,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
     assert launches[2][2] == (kv_heads, 1, splits) and splits % cluster == 0  # paged decode grid: whole clusters
-    assert names[2].endswith(f", {cluster}, {dim}, 0>")  # not staged (ops_cuda.PAGED_STAGED is off)
+    assert names[2].endswith(f", {cluster}, {dim}>")
     assert int(launches[2][3][13]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
@@ -228,7 +228,7 @@ def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkey
     expected_cluster = ops_cuda.DECODE_CLUSTER if batch == 1 else 1
     assert all(cluster == expected_cluster for _, cluster, *_ in paged)
     assert all(dependent == (cluster == 1) for dependent, cluster, *_ in paged)
-    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}, 0>") for _, _, name, _ in paged)
+    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}>") for _, _, name, _ in paged)
 
 
 def test_int8_kv_passes_scales(launches):
@@ -355,14 +355,12 @@ def test_attribute_launch_passes_the_arguments_and_attributes(monkeypatch):
         loader._launch_ex(function, (1,), (32,), args, 0, 0, attributes[1:])
 
 
-@pytest.mark.parametrize("early", [False, True])  # ops_cuda.JUNCTION_EARLY_TRIGGER
 @pytest.mark.parametrize("batch", [1, 16])
-def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, monkeypatch, batch, early):
+def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, monkeypatch, batch):
     """With programmatic launches (sm_90+) the junctions are their own kernels; a step of several rows launches
     them programmatically (the kernel variant that loads its norm weights before pdl_wait), one row plainly (slower
     programmatically on the H200)."""
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: True)
-    monkeypatch.setattr(ops_cuda, "JUNCTION_EARLY_TRIGGER", early)
     junctions = launches_of(monkeypatch, "residual_norm")
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
@@ -378,5 +376,4 @@ def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, m
     assert all(grid == (batch,) for *_, grid in junctions)
     programmatic = ops_cuda.JUNCTION_PROGRAMMATIC_ROWS <= batch <= ops_cuda.JUNCTION_PROGRAMMATIC_MAX_ROWS
     assert all(dependent == programmatic for dependent, *_ in junctions)
-    variant = (2 if early else 1) if programmatic else 0  # norm.cu's PROGRAMMATIC argument
-    assert all(name.endswith(f", {variant}>") for _, _, name, _ in junctions)
+    assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, _, name, _ in junctions)

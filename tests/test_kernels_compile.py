@@ -84,27 +84,3 @@ def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, 
     assert patched != unpatched and all(new in patched for _, _, new in WITHOUT[removed])
     status, log = _compile(file, _ABLATED_KERNELS[file])
     assert status == 0, log
-
-
-_HINTED_KERNELS = {
-    "weights-evict-first": ("gemv_quant.cu", ["gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>"]),
-    "kv-evict-first": ("paged_attention.cu", ["paged_decode<__nv_bfloat16, 0, 1, 8, 128, 0>"]),
-    "norms-evict-last": ("norm.cu", ["residual_norm<__nv_bfloat16, 1>"]),
-}
-
-
-@pytest.mark.parametrize("hint", sorted(_HINTED_KERNELS))
-def test_the_l2_hint_patches_match_the_kernel_sources_and_compile(monkeypatch, hint):
-    """eval/ablate_decode.py --l2-hints: each patch matches its source once, and the patched kernels compile."""
-    from tinyloop_hf.eval.ablate_decode import HINTS, patch_sources
-    from tinyloop_hf.kernels import loader
-
-    monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
-    file, names = _HINTED_KERNELS[hint]
-    unpatched = loader.source(file)
-    patch_sources([hint])
-    patched = loader.source(file)
-    assert patched != unpatched and all(new in patched for _, _, new in HINTS[hint])
-    assert patched.count("createpolicy.fractional.L2::") == len(HINTS[hint])
-    status, log = _compile(file, names, arch="sm_90")
-    assert status == 0, log

@@ -171,13 +171,11 @@ class _Cache:
      (3, 2, 2, 64, 300, 4), (3, 4, 1, 128, 520, 1)],
 )  # fmt: skip
 @pytest.mark.parametrize("cluster", [8, 1])  # ops_cuda.DECODE_CLUSTER (sm_90+), and single CTAs
-@pytest.mark.parametrize("staged", [False, True])  # ops_cuda.PAGED_STAGED (16-bit K/V)
-def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens, cluster, staged,
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens, cluster,
                                    monkeypatch):  # fmt: skip
     from tinyloop_hf.paged_cache import PAGE_SIZE
 
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: cluster)  # 1: the pre-sm_90 kernel
-    monkeypatch.setattr(ops_cuda, "PAGED_STAGED", staged)
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
     lengths = torch.tensor([capacity - 7 * b for b in range(batch)], dtype=torch.int32)
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
@@ -197,9 +195,6 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     assert not storage.split_counters.any()
     again = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
     assert torch.equal(again.view(batch, new_tokens, -1, dim), out)
-    monkeypatch.setattr(ops_cuda, "PAGED_STAGED", not staged)  # the same arithmetic on the same bytes
-    other = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)
-    assert torch.equal(other.view(batch, new_tokens, -1, dim), out)
     for b in range(batch):
         length, start = int(lengths[b]), int(starts[b])
         blocks = storage.block_table[b, : math.ceil(length / PAGE_SIZE)].long()

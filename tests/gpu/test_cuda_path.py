@@ -239,45 +239,22 @@ def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, progra
     assert {key[0] for key in fast._cuda_path.graphs} == {"decode", "prefill"}
 
 
-def _single_cta_rows(variant: str, tokens: int) -> int:
-    """The fewest rows whose paged decode runs in single-CTA splits (launched programmatically by graphs) for a
-    generation of ``tokens`` tokens per row."""
-    from tinyloop_hf.cuda_path import capacity_bucket
-    from tinyloop_hf.kernels import ops_cuda
-
-    config = _model(variant).config
-    kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
-    max_cluster, capacity = ops_cuda.decode_cluster(torch.device("cuda")), capacity_bucket(tokens)
-
-    def cluster(rows: int) -> int:
-        return ops_cuda.decode_partition(rows, kv_heads, heads // kv_heads, config.head_dim, capacity, max_cluster)[2]
-
-    return next(rows for rows in itertools.count(1) if cluster(rows) == 1)
-
-
-@pytest.mark.parametrize("variant", ["ouro", "huginn"])
-def test_graphs_equal_eager_with_early_triggering_junctions(variant, monkeypatch):
-    """ops_cuda.JUNCTION_EARLY_TRIGGER: a multi-row step's programmatic junctions let the next GEMV launch at once
-    (before their pdl_wait). Graph replays still give the eager tokens exactly."""
-    from tinyloop_hf.kernels import ops_cuda
-
-    monkeypatch.setattr(ops_cuda, "JUNCTION_EARLY_TRIGGER", True)
-    _, fast = _pair(variant, QUANTS["int4-g32"])
-    eager = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False)
-    ids = IDS.cuda()  # three rows: programmatic junctions
-    for _ in range(2):  # the first call captures, the second replays
-        assert torch.equal(fast.generate(ids, max_new_tokens=10, do_sample=False),
-                           eager.generate(ids, max_new_tokens=10, do_sample=False))  # fmt: skip
-
-
 @pytest.mark.parametrize("variant", ["ouro", "llama"])
 def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch):
     """Enough rows that paged decode's splits are single CTAs, which graphs launch programmatically: the cached
     tokens' K/V are loaded before pdl_wait while the QKV launch still writes q and the new token's K/V (loaded after
     it). Graph replays give the eager tokens and scores exactly."""
+    from tinyloop_hf.cuda_path import capacity_bucket
     from tinyloop_hf.kernels import loader, ops_cuda
 
-    batch = _single_cta_rows(variant, 12 + 8)
+    config = _model(variant).config
+    kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
+    max_cluster, capacity = ops_cuda.decode_cluster(torch.device("cuda")), capacity_bucket(12 + 8)
+
+    def cluster(rows: int) -> int:
+        return ops_cuda.decode_partition(rows, kv_heads, heads // kv_heads, config.head_dim, capacity, max_cluster)[2]
+
+    batch = next(rows for rows in itertools.count(1) if cluster(rows) == 1)  # the smallest of single-CTA splits
     programmatic, launch = [], loader.launch
 
     def record(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
@@ -297,31 +274,6 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
     if loader.programmatic_launches():
         assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
-
-
-@pytest.mark.parametrize("variant", ["ouro", "llama"])
-def test_staged_second_step_gives_the_plain_kernels_outputs(variant, monkeypatch):
-    """ops_cuda.PAGED_STAGED: each paged-decode CTA's second step of tokens is copied into shared memory with its
-    first step's loads, before pdl_wait. With 60-token prompts (CTAs of two steps) and enough rows for single-CTA
-    splits (launched programmatically, so the copies overlap the QKV launch that writes the new token, which is
-    read again after the wait), graph replays give the plain kernel's eager tokens and scores exactly: the same
-    arithmetic on the same bytes."""
-    from tinyloop_hf.kernels import ops_cuda
-
-    batch = _single_cta_rows(variant, 60 + 8)
-    ids = torch.randint(1, 256, (batch, 60), generator=torch.Generator().manual_seed(7)).cuda()
-    kwargs = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    want = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
-    names = []
-    kernel = ops_cuda.kernel
-    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
-    monkeypatch.setattr(ops_cuda, "PAGED_STAGED", True)
-    fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
-    for _ in range(2):  # the first call captures, the second replays
-        got = fast.generate(ids, **kwargs)
-        assert torch.equal(got.sequences, want.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
-    assert any(name.startswith("paged_decode<") and name.endswith(", 1>") for name in names)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
