@@ -1,8 +1,10 @@
-"""Where a greedy generate() token's time goes beyond its decode graph's replay (Ouro-1.4B shape, INT4, L = 4): CUDA
-events around every graph replay (CUDAGraph.replay patched; the model's forward is left alone: with a wrapped
-forward, generate() ran the prompt eagerly, ~0.1 s on the H200) give each replay's GPU time and the GPU time between one replay's end and the
-next one's start; host clocks at each replay's launch tell whether the host launched it late (after the previous
-replay had ended on the GPU: the host is then the bound). Back-to-back replays of the same step are the reference.
+"""Where a greedy generate() token's time goes beyond its decode graph's replay (Ouro-1.4B shape, INT4, L = 4).
+
+CUDA events around every graph replay (CUDAGraph.replay patched; the model's forward is left alone: with a wrapped
+forward, generate() ran the prompt eagerly, ~0.1 s on the H200) give each replay's GPU time and the GPU time between
+one replay's end and the next one's start. Host clocks at each replay's launch tell whether the host launched it
+late (after the previous replay had ended on the GPU: the host is then the bound). Back-to-back replays of the same
+step are the reference.
 
     python -m tinyloop_hf.eval.generate_overhead --batch 1 16
 """
