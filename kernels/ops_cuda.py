@@ -9,6 +9,7 @@ Everything a kernel cannot serve raises CudaPathUnavailable with the reason; not
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,7 +214,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
 
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
-_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
+_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 6
 
 
 def _gemv(
@@ -280,6 +281,26 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
 
 
 ROPE_EPILOGUE = True  # A/B switch: the QKV launch's RoPE + KV-append epilogue (else the rope_kv_append kernel)
+# A/B switch (ablate_decode --kv-prefetch; not yet measured): the QKV launch with the RoPE epilogue first asks L2 for
+# the 16-bit K/V pages its step's attention reads (rope_epilogue.cuh), where the storage's K/V fit in this fraction
+# of the L2 cache beside the streamed weights.
+KV_PREFETCH = False
+KV_PREFETCH_L2_FRACTION = 0.75
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
+def _prefetch_kv_pages(storage: Any) -> bool:
+    """Whether a decode step's QKV launch prefetches the 16-bit pages it writes into (KV_PREFETCH): all of the
+    storage's K/V for one slot (every row at its full capacity) must fit in KV_PREFETCH_L2_FRACTION of L2, else
+    the prefetched pages would evict each other before paged decode reads them."""
+    if not KV_PREFETCH or storage.int8:
+        return False
+    slot_bytes = storage.batch * storage.capacity * storage.bytes_per_token_per_slot()
+    return slot_bytes <= KV_PREFETCH_L2_FRACTION * _l2_bytes(storage.device)
 
 
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -561,7 +582,8 @@ def _attend(
         targets = staged if staged is not None else (pages[0], pages[1], table)  # K pages, V pages, block table
         dtype, device = targets[0].dtype, targets[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
-        widths = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout)))
+        prefetch = staged is None and _prefetch_kv_pages(storage)
+        widths = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout, int(prefetch))))
 
         def rope(start: int) -> tuple:
             """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row

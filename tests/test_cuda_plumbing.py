@@ -137,8 +137,8 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     block = ["gemv_quant", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
     loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
-    junction_of = lambda launch: launch[3][-19:-12]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
-    rope_of = lambda launch: launch[3][-12:]  # cos, sin, q, K/V pages, table, positions, widths, layout  # noqa: E731
+    junction_of = lambda launch: launch[3][-20:-13]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
+    rope_of = lambda launch: launch[3][-13:]  # cos, sin, q, K/V pages, table, positions, widths, layout, prefetch  # noqa: E731
     first_qkv, second_qkv = launches[1], launches[1 + len(block)]
     assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
     assert all(int(a) != 0 for a in junction_of(second_qkv)[:5]) and int(junction_of(second_qkv)[6]) == 1  # sandwich
@@ -146,7 +146,8 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
         assert qkv_launch[1].endswith(", true>")  # the RoPE epilogue
         rope = rope_of(qkv_launch)
         assert all(int(a) != 0 for a in rope[:7])
-        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]  # rotate_half
+        # rotate_half, no K/V prefetch (ops_cuda.KV_PREFETCH is off)
+        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0, 0]
         page_pointers = {t.data_ptr() for pages in cache.storage.pages.values() for t in pages[:2]}
         assert {int(rope[3]), int(rope[4])} <= page_pointers and int(rope[3]) != int(rope[4])
     qkv = first_qkv[3]
@@ -169,7 +170,7 @@ def test_rope_epilogue_switch_holds_with_the_junction_prologue(launches, monkeyp
     model, _ = _ouro_decode_step(launches)
     names = [name for _, name, *_ in launches]
     qkv = [launch for launch in launches if launch[1].startswith("gemv_quant") and int(launch[3][20]) != 0]  # N2
-    assert any(int(launch[3][-19]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
+    assert any(int(launch[3][-20]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
     assert not any(name.startswith("gemv_quant") and name.endswith(", true>") for name in names)
     assert sum(name.startswith("rope_kv_append") for name in names) == len(qkv)
 
@@ -186,7 +187,7 @@ def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, 
     loop += ["residual_norm", *attention, *mlp] * (model.config.num_loop_layers - 1) + ["residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
     gemvs = [launch for launch in launches if launch[1].startswith("gemv_quant")]
-    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-19:-14])  # no junction prologue anywhere
+    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-20:-15])  # no junction prologue anywhere
     assert gemvs[0][1].endswith(", true>") and ", true, " in gemvs[2][1]  # RoPE epilogue; SwiGLU in gate/up
 
 
@@ -205,12 +206,34 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
     assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
-    first, second = (launch[-12:] for launch in qkv[:2])
+    first, second = (launch[-13:] for launch in qkv[:2])
     table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
     advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
     # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
     assert advanced == [16 * angles_row, 16 * angles_row, 16 * heads * dim * 2, 0, 0, 16 * table_row, 16 * 4]
-    assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
+    assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0, 0]
+
+
+@pytest.mark.parametrize("rows", [1, 20])  # the CUDA-core GEMV's epilogue, the tensor-core kernel's
+def test_kv_prefetch_is_asked_for_where_the_pages_fit_in_l2(launches, monkeypatch, rows):
+    """KV_PREFETCH: a decode step's QKV launches (with the RoPE epilogue) get prefetch_kv 1 where one slot's 16-bit
+    K/V at the storage's capacity fit in KV_PREFETCH_L2_FRACTION of L2, 0 where they do not, and 0 for INT8 pages
+    (their new tokens go to staging pages)."""
+    monkeypatch.setattr(ops_cuda, "KV_PREFETCH", True)
+    model = _model("llama", 4)
+    for kv_dtype, l2_bytes, expected in (("auto", 50 << 20, 1), ("auto", 1 << 10, 0), ("int8", 50 << 20, 0)):
+        monkeypatch.setattr(ops_cuda, "_l2_bytes", lambda device, size=l2_bytes: size)
+        cache = PagedTinyLoopCache(model.config, capacity=64, kv_dtype=kv_dtype)
+        with torch.no_grad():
+            model(torch.randint(1, 256, (rows, 8)), past_key_values=cache, use_cache=True)
+            launches.clear()
+            model(torch.randint(1, 256, (rows, 1)), past_key_values=cache, use_cache=True)
+        kind = "gemm_quant_mma" if rows > 1 else "gemv_quant"
+        qkv = [args for _, name, _, args, _ in launches if name.startswith(kind) and name.endswith(", true>")]
+        assert len(qkv) >= model.config.num_hidden_layers
+        assert {int(args[-1]) for args in qkv} == {expected}, (kv_dtype, l2_bytes)
+        others = [args for _, name, _, args, _ in launches if name.startswith("gemv_quant") and name.endswith("false>")]
+        assert all(int(args[-1]) == 0 for args in others)  # only the QKV launch prefetches
 
 
 @pytest.mark.parametrize("batch", [1, 48])
@@ -259,8 +282,8 @@ def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith(("gemv_quant", "gemm_quant_mma"))
            and name.endswith(", true>")]  # fmt: skip
-    assert qkv and all(int(args[-9]) == staged_k.data_ptr() and int(args[-8]) == staged_v.data_ptr() for args in qkv)
-    assert all(int(args[-7]) == staged_table.data_ptr() for args in qkv[:1])  # the first launch starts at row 0
+    assert qkv and all(int(args[-10]) == staged_k.data_ptr() and int(args[-9]) == staged_v.data_ptr() for args in qkv)
+    assert all(int(args[-8]) == staged_table.data_ptr() for args in qkv[:1])  # the first launch starts at row 0
     paged = [args for _, name, _, args, _ in launches if name.startswith("paged_decode<__nv_bfloat16, 1, ")]
     assert len(paged) == model.config.num_hidden_layers
     assert all((int(args[5]), int(args[6])) == (staged_k.data_ptr(), staged_v.data_ptr()) for args in paged)

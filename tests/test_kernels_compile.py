@@ -28,9 +28,15 @@ def test_kernel_sources_compile(file):
     assert status == 0, log
 
 
-def test_hopper_only_code_assembles():
-    """The sm_90-only code (programmatic dependent launch, common.cuh) through ptxas, in one GEMV instantiation."""
-    status, log = _compile("gemv_quant.cu", ["gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>"], arch="sm_90")
+@pytest.mark.parametrize(
+    "file, name",
+    [("gemv_quant.cu", "gemv_quant<4, __nv_bfloat16, 1, 2, false, 1, true>"),
+     ("gemm_quant_mma.cu", "gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>")],
+)  # fmt: skip
+def test_hopper_only_code_assembles(file, name):
+    """The sm_90-only code (programmatic dependent launch, common.cuh; the QKV launches' K/V prefetch,
+    rope_epilogue.cuh) through ptxas, in the two QKV instantiations."""
+    status, log = _compile(file, [name], arch="sm_90")
     assert status == 0, log
 
 

@@ -276,6 +276,31 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
         assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
 
 
+@pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
+@pytest.mark.parametrize("variant", ["ouro", "huginn"])
+def test_kv_prefetch_leaves_graph_replays_unchanged(variant, rows, monkeypatch):
+    """KV_PREFETCH: the QKV launches ask L2 for the K/V pages their step's attention reads (bulk prefetches from
+    page numbers in the block table, before pdl_wait). The prefetches must touch only mapped pages (a bad address
+    faults) and change nothing: graph-replayed tokens and scores equal the eager ones without prefetch, with left
+    padding."""
+    from tinyloop_hf.kernels import ops_cuda
+
+    ids = torch.randint(1, 256, (rows, 12), generator=torch.Generator().manual_seed(7)).cuda()
+    mask = torch.ones_like(ids)
+    mask[::3, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)  # fmt: skip
+    want = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
+    monkeypatch.setattr(ops_cuda, "KV_PREFETCH", True)
+    fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
+    for _ in range(2):  # the first call captures, the second replays
+        got = fast.generate(ids, **kwargs)
+        assert torch.equal(got.sequences, want.sequences)
+        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    storage = next(iter(fast._cuda_path.storages.values()))
+    assert ops_cuda._prefetch_kv_pages(storage)  # the step did prefetch
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
 @pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
