@@ -158,10 +158,14 @@ def gemv_bandwidth(size: int = 16384, repeats: int = 50) -> dict[str, float]:
     return {renamed.get(key, key): value for key, value in timing.items() if key not in ("rows", "bits")}
 
 
-def gemv_timing(out_features: int, in_features: int, rows: int, bits: int = 4, repeats: int = 50) -> dict[str, Any]:
+def gemv_timing(
+    out_features: int, in_features: int, rows: int, bits: int = 4, repeats: int = 50, from_l2: bool = False
+) -> dict[str, Any]:
     """Low-bit (g128) projection of ``rows`` token rows, timed by CUDA events over CUDA-graph replays that cycle
     through enough weight copies to exceed twice the L2 cache (so every call reads HBM); bandwidth counts packed
-    weights + scales + zeros. cuBLAS bf16 on the same shape, timed the same way, is the peer."""
+    weights + scales + zeros. cuBLAS bf16 on the same shape, timed the same way, is the peer. ``from_l2``: one
+    copy of each, read again by every call (from L2 where it fits): how fast the kernel is once its weights are
+    on chip."""
     from tinyloop_hf import QuantFormat, QuantLinear
     from tinyloop_hf.kernels import ops_cuda
     from tinyloop_hf.quant_tinyloop import quantize_rtn
@@ -172,10 +176,12 @@ def gemv_timing(out_features: int, in_features: int, rows: int, bits: int = 4, r
     layer = layer.cuda()
     weight_bytes = sum(t.numel() * t.element_size() for t in layer.packed().tensors().values())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    layers = [layer] + [copy.deepcopy(layer) for _ in range(math.ceil(2 * l2_bytes / weight_bytes))]
+    copies = 1 if from_l2 else math.ceil(2 * l2_bytes / weight_bytes) + 1
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+    bf16_copies = 1 if from_l2 else math.ceil(2 * l2_bytes / (2 * out_features * in_features)) + 1
     bf16 = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
-            for _ in range(math.ceil(2 * l2_bytes / (2 * out_features * in_features)) + 1)]  # fmt: skip
+            for _ in range(bf16_copies)]  # fmt: skip
 
     def graph_seconds(call: Any, operands: list) -> float:
         for operand in operands:

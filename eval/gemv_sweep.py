@@ -1,7 +1,9 @@
 """Low-bit projection timings on the Ouro-1.4B layer shapes (and 16384²) for a few token-row counts, against cuBLAS
-bf16 on the same shape; every call reads HBM (weight copies rotate past the L2 cache).
+bf16 on the same shape; every call reads HBM (weight copies rotate past the L2 cache), or with --from-l2 the same
+copy again (what a prefetch of the weights into L2 could at best buy).
 
     python -m tinyloop_hf.eval.gemv_sweep --bits 4 --rows 1 4 16
+    python -m tinyloop_hf.eval.gemv_sweep --rows 16 --from-l2
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--from-l2", action="store_true", help="one weight copy, read from L2 by every call")
     args = parser.parse_args(argv)
     print(f"| N x K | rows | INT{args.bits} us | TB/s | cuBLAS bf16 us | speed-up |")
     print("|---|---|---|---|---|---|")
     for rows in args.rows:
         for out_features, in_features in SHAPES:
-            t = gemv_timing(out_features, in_features, rows=rows, bits=args.bits)
+            t = gemv_timing(out_features, in_features, rows=rows, bits=args.bits, from_l2=args.from_l2)
             print(f"| {t['shape']} | {rows} | {t['us']:.2f} | {t['tb_s']:.2f} | {t['cublas_bf16_us']:.2f} "
                   f"| {t['speedup_vs_cublas_bf16']:.2f}x |", flush=True)  # fmt: skip
 
