@@ -215,6 +215,43 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
 _NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 6
+_NO_PREFETCH = (ptr(None), i32(0))
+
+# A/B switch (ablate_decode --weight-prefetch; not yet measured): a tensor-core projection launch (2-16 rows) first
+# asks L2 for the weights of the projection its decode step runs next (link_weight_prefetch records that order).
+# The next launch cannot start loading them itself before this one's CTAs leave the SMs, and at batch 16 the
+# tensor-core kernels are latency-bound at ~0.9 TB/s with DRAM mostly idle.
+WEIGHT_PREFETCH = False
+_PREFETCH_CHUNK = 64 * 1024  # bytes per prefetch instruction
+
+
+def link_weight_prefetch(pairs: list[tuple[list[Any], list[Any]]]) -> None:
+    """Record for each (group, following) pair of projection groups (lists of layers, as _gemv takes them) that a
+    decode step runs ``following`` after ``group``, on the group's first layer (WEIGHT_PREFETCH)."""
+    for group, following in pairs:
+        group[0].__dict__["_prefetch_next"] = tuple(following)
+
+
+def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
+    """The (chunk table, count) arguments of a tensor-core launch over ``owner``'s group: 16-byte aligned pieces of at
+    most _PREFETCH_CHUNK bytes of every packed tensor of the group that follows it, or none. The table is rebuilt
+    whenever one of those tensors moved (a stale address could fault)."""
+    following = owner.__dict__.get("_prefetch_next")
+    if not WEIGHT_PREFETCH or following is None:
+        return _NO_PREFETCH
+    tensors = [getattr(layer, name, None) for layer in following for name in _GEMV_TENSORS]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_contiguous()]
+    pointers = tuple(t.data_ptr() for t in tensors)
+    cached = owner.__dict__.get("_prefetch_table")
+    if cached is None or cached[0] != pointers:
+        chunks = []
+        for t in tensors:
+            first, end = t.data_ptr() // 16 * 16, (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
+            chunks += [(at, min(_PREFETCH_CHUNK, end - at)) for at in range(first, end, _PREFETCH_CHUNK)]
+        table = torch.tensor(chunks, dtype=torch.int64, device=tensors[0].device) if chunks else None
+        cached = owner.__dict__["_prefetch_table"] = (pointers, table)
+    table = cached[1]
+    return (ptr(table), i32(table.shape[0])) if table is not None else _NO_PREFETCH
 
 
 def _gemv(
@@ -249,7 +286,8 @@ def _gemv(
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
             if with_rope:
                 name = name.replace(", false>", ", true>")
-            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
+            prefetch = _weight_prefetch(layers[0]) if start == 0 else _NO_PREFETCH  # once per projection
+            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE), *prefetch)
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):

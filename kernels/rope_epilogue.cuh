@@ -41,7 +41,6 @@ __device__ __forceinline__ void store_rope_pair(float a, float c, int column, in
 template <typename T>
 __device__ __forceinline__ void prefetch_kv_pages(const T* k_pages, const T* v_pages, const int* block_table,
                                                   const int* positions, int M, int max_blocks, int Hkv, int D) {
-#if __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0) return;
     const long long page_values = static_cast<long long>(Hkv) * 16 * D;
     const unsigned bytes = static_cast<unsigned>(page_values * sizeof(T));
@@ -49,12 +48,7 @@ __device__ __forceinline__ void prefetch_kv_pages(const T* k_pages, const T* v_p
         const int m = i / max_blocks, block = i % max_blocks;
         if (block > positions[m] / 16) continue;
         const long long first = block_table[static_cast<long long>(m) * max_blocks + block] * page_values;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(k_pages + first)),
-                     "r"(bytes)
-                     : "memory");
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(v_pages + first)),
-                     "r"(bytes)
-                     : "memory");
+        prefetch_l2(k_pages + first, bytes);
+        prefetch_l2(v_pages + first, bytes);
     }
-#endif
 }

@@ -206,7 +206,7 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
     assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
-    first, second = (launch[-13:] for launch in qkv[:2])
+    first, second = (launch[-15:-2] for launch in qkv[:2])  # the RoPE arguments, before the weight prefetch
     table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
     advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
     # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
@@ -231,9 +231,62 @@ def test_kv_prefetch_is_asked_for_where_the_pages_fit_in_l2(launches, monkeypatc
         kind = "gemm_quant_mma" if rows > 1 else "gemv_quant"
         qkv = [args for _, name, _, args, _ in launches if name.startswith(kind) and name.endswith(", true>")]
         assert len(qkv) >= model.config.num_hidden_layers
-        assert {int(args[-1]) for args in qkv} == {expected}, (kv_dtype, l2_bytes)
+        flag = -3 if rows > 1 else -1  # the tensor-core kernel's weight-prefetch arguments come after it
+        assert {int(args[flag]) for args in qkv} == {expected}, (kv_dtype, l2_bytes)
         others = [args for _, name, _, args, _ in launches if name.startswith("gemv_quant") and name.endswith("false>")]
         assert all(int(args[-1]) == 0 for args in others)  # only the QKV launch prefetches
+
+
+def test_projection_successors_follow_the_decode_step():
+    """WEIGHT_PREFETCH's order: each block's QKV, O, gate/up and down in turn, the prelude into the loop block, the
+    loop block's last projection back to its first (the next loop), the coda's last to the step's first."""
+    from tinyloop_hf.cuda_path import projection_successors
+
+    model = tiny_model("huginn")  # a prelude block, two loop blocks, a coda block
+    inner = model.model
+    successor = {id(group[0]): following for group, following in projection_successors(model)}
+    prelude, first, last, coda = inner.prelude_layers[0], *inner.loop_layers, inner.coda_layers[0]
+    assert successor[id(prelude.self_attn.q_proj)] == [prelude.self_attn.o_proj]
+    assert successor[id(prelude.self_attn.o_proj)] == [prelude.mlp.gate_proj, prelude.mlp.up_proj]
+    assert successor[id(prelude.mlp.gate_proj)] == [prelude.mlp.down_proj]
+    attention = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj]
+    assert successor[id(prelude.mlp.down_proj)] == attention
+    assert successor[id(first.mlp.down_proj)][0] is last.self_attn.q_proj
+    assert successor[id(last.mlp.down_proj)] == attention  # the next loop
+    assert successor[id(coda.mlp.down_proj)][0] is prelude.self_attn.q_proj  # the next step
+    assert len(successor) == 4 * 4
+
+
+def test_weight_prefetch_tables_tile_the_next_projection(launches, monkeypatch):
+    """WEIGHT_PREFETCH: the first tensor-core launch of each projection (rows 0-15) passes a table of (address,
+    bytes) chunks, each at most _PREFETCH_CHUNK bytes, 16-byte aligned, inside a packed tensor of the projection
+    that follows, together covering all of them; the launch for rows 16-19 and every launch with the switch off
+    pass none."""
+    from tinyloop_hf.cuda_path import projection_successors
+
+    model = _model("llama", 4)
+    ops_cuda.link_weight_prefetch(projection_successors(model))
+    cache = PagedTinyLoopCache(model.config, capacity=64)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (20, 8)), past_key_values=cache, use_cache=True)
+        for on in (False, True):
+            monkeypatch.setattr(ops_cuda, "WEIGHT_PREFETCH", on)
+            launches.clear()
+            model(torch.randint(1, 256, (20, 1)), past_key_values=cache, use_cache=True)
+            counts = [int(args[-1]) for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
+            projections = 4 * model.config.num_hidden_layers
+            assert len(counts) == 2 * projections  # rows 0-15 and 16-19 of each
+            assert sum(count > 0 for count in counts) == (projections if on else 0)
+    for group, following in projection_successors(model):
+        _, table = group[0].__dict__["_prefetch_table"]
+        tensors = [t for layer in following for name in ops_cuda._GEMV_TENSORS
+                   if isinstance(t := getattr(layer, name, None), torch.Tensor)]  # fmt: skip
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        chunks = table.tolist()
+        assert all(at % 16 == 0 and 0 < size <= ops_cuda._PREFETCH_CHUNK and size % 16 == 0 for at, size in chunks)
+        assert all(any(lo // 16 * 16 <= at and at + size <= hi for lo, hi in spans) for at, size in chunks)
+        # every tensor whole, from its start rounded down to 16 bytes to its end rounded down (a 16-byte tail left)
+        assert sum(size for _, size in chunks) == sum(hi // 16 * 16 - lo // 16 * 16 for lo, hi in spans)
 
 
 @pytest.mark.parametrize("batch", [1, 48])
@@ -280,8 +333,9 @@ def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
     assert torch.equal(staged_table, torch.arange(batch, dtype=torch.int32)[:, None].expand_as(staged_table))
     names = [name for _, name, *_ in launches]
     assert not any(name.startswith("rope_kv_append") for name in names)
-    qkv = [args for _, name, _, args, _ in launches if name.startswith(("gemv_quant", "gemm_quant_mma"))
-           and name.endswith(", true>")]  # fmt: skip
+    # Each QKV launch's arguments up to its RoPE epilogue's (the tensor-core kernel's weight prefetch comes after).
+    qkv = [args[:-2] if name.startswith("gemm_quant_mma") else args for _, name, _, args, _ in launches
+           if name.startswith(("gemv_quant", "gemm_quant_mma")) and name.endswith(", true>")]  # fmt: skip
     assert qkv and all(int(args[-10]) == staged_k.data_ptr() and int(args[-9]) == staged_v.data_ptr() for args in qkv)
     assert all(int(args[-8]) == staged_table.data_ptr() for args in qkv[:1])  # the first launch starts at row 0
     paged = [args for _, name, _, args, _ in launches if name.startswith("paged_decode<__nv_bfloat16, 1, ")]

@@ -276,11 +276,13 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
         assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
 
 
+@pytest.mark.parametrize("switch", ["KV_PREFETCH", "WEIGHT_PREFETCH"])
 @pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
 @pytest.mark.parametrize("variant", ["ouro", "huginn"])
-def test_kv_prefetch_leaves_graph_replays_unchanged(variant, rows, monkeypatch):
+def test_l2_prefetches_leave_graph_replays_unchanged(variant, rows, switch, monkeypatch):
     """KV_PREFETCH: the QKV launches ask L2 for the K/V pages their step's attention reads (bulk prefetches from
-    page numbers in the block table, before pdl_wait). The prefetches must touch only mapped pages (a bad address
+    page numbers in the block table, before pdl_wait). WEIGHT_PREFETCH: each tensor-core projection launch asks L2
+    for the next projection's weights (chunk tables). The prefetches must touch only mapped memory (a bad address
     faults) and change nothing: graph-replayed tokens and scores equal the eager ones without prefetch, with left
     padding."""
     from tinyloop_hf.kernels import ops_cuda
@@ -291,14 +293,17 @@ def test_kv_prefetch_leaves_graph_replays_unchanged(variant, rows, monkeypatch):
     kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, output_scores=True,
                   return_dict_in_generate=True)  # fmt: skip
     want = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
-    monkeypatch.setattr(ops_cuda, "KV_PREFETCH", True)
+    monkeypatch.setattr(ops_cuda, switch, True)
     fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
     for _ in range(2):  # the first call captures, the second replays
         got = fast.generate(ids, **kwargs)
         assert torch.equal(got.sequences, want.sequences)
         assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
-    storage = next(iter(fast._cuda_path.storages.values()))
-    assert ops_cuda._prefetch_kv_pages(storage)  # the step did prefetch
+    if switch == "KV_PREFETCH":
+        assert ops_cuda._prefetch_kv_pages(next(iter(fast._cuda_path.storages.values())))  # the step prefetched
+    elif rows > 1:
+        tables = [m.__dict__.get("_prefetch_table") for m in fast.modules()]
+        assert any(table is not None and table[1] is not None for table in tables)  # the step prefetched
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
