@@ -249,6 +249,8 @@ def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
             first, end = t.data_ptr() // 16 * 16, (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
             chunks += [(at, min(_PREFETCH_CHUNK, end - at)) for at in range(first, end, _PREFETCH_CHUNK)]
         table = torch.tensor(chunks, dtype=torch.int64, device=tensors[0].device) if chunks else None
+        if cached is not None:  # a graph captured before may still read the old table: it stays allocated
+            owner.__dict__.setdefault("_prefetch_tables_replaced", []).append(cached[1])
         cached = owner.__dict__["_prefetch_table"] = (pointers, table)
     table = cached[1]
     return (ptr(table), i32(table.shape[0])) if table is not None else _NO_PREFETCH
