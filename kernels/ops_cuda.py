@@ -244,6 +244,8 @@ def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
     pointers = tuple(t.data_ptr() for t in tensors)
     cached = owner.__dict__.get("_prefetch_table")
     if cached is None or cached[0] != pointers:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return _NO_PREFETCH  # a table is built by an eager step (its copy to the device cannot be captured)
         chunks = []
         for t in tensors:
             first, end = t.data_ptr() // 16 * 16, (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
