@@ -234,26 +234,27 @@ def link_weight_prefetch(pairs: list[tuple[list[Any], list[Any]]]) -> None:
 
 def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
     """The (chunk table, count) arguments of a tensor-core launch over ``owner``'s group: 16-byte aligned pieces of at
-    most _PREFETCH_CHUNK bytes of every packed tensor of the group that follows it, or none. The table is rebuilt
-    whenever one of those tensors moved (a stale address could fault)."""
+    most _PREFETCH_CHUNK bytes of every packed tensor of the group that follows it (on the launch's device), or none.
+    The table is rebuilt whenever one of those tensors moved or changed size (a stale address could fault)."""
     following = owner.__dict__.get("_prefetch_next")
     if not WEIGHT_PREFETCH or following is None:
         return _NO_PREFETCH
+    device = owner.qweight.device  # the launch's: a model split over GPUs may run the next group on another
     tensors = [getattr(layer, name, None) for layer in following for name in _GEMV_TENSORS]
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_contiguous()]
-    pointers = tuple(t.data_ptr() for t in tensors)
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_contiguous() and t.device == device]
+    spans = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
     cached = owner.__dict__.get("_prefetch_table")
-    if cached is None or cached[0] != pointers:
+    if cached is None or cached[0] != spans:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return _NO_PREFETCH  # a table is built by an eager step (its copy to the device cannot be captured)
         chunks = []
-        for t in tensors:
-            first, end = t.data_ptr() // 16 * 16, (t.data_ptr() + t.numel() * t.element_size()) // 16 * 16
+        for start, size in spans:
+            first, end = start // 16 * 16, (start + size) // 16 * 16
             chunks += [(at, min(_PREFETCH_CHUNK, end - at)) for at in range(first, end, _PREFETCH_CHUNK)]
-        table = torch.tensor(chunks, dtype=torch.int64, device=tensors[0].device) if chunks else None
+        table = torch.tensor(chunks, dtype=torch.int64, device=device) if chunks else None
         if cached is not None:  # a graph captured before may still read the old table: it stays allocated
             owner.__dict__.setdefault("_prefetch_tables_replaced", []).append(cached[1])
-        cached = owner.__dict__["_prefetch_table"] = (pointers, table)
+        cached = owner.__dict__["_prefetch_table"] = (spans, table)
     table = cached[1]
     return (ptr(table), i32(table.shape[0])) if table is not None else _NO_PREFETCH
 

@@ -233,38 +233,41 @@ def test_kv_prefetch_is_asked_for_where_the_pages_fit_in_l2(launches, monkeypatc
         assert len(qkv) >= model.config.num_hidden_layers
         flag = -3 if rows > 1 else -1  # the tensor-core kernel's weight-prefetch arguments come after it
         assert {int(args[flag]) for args in qkv} == {expected}, (kv_dtype, l2_bytes)
-        others = [args for _, name, _, args, _ in launches if name.startswith("gemv_quant") and name.endswith("false>")]
-        assert all(int(args[-1]) == 0 for args in others)  # only the QKV launch prefetches
 
 
 def test_projection_successors_follow_the_decode_step():
-    """WEIGHT_PREFETCH's order: each block's QKV, O, gate/up and down in turn, the prelude into the loop block, the
-    loop block's last projection back to its first (the next loop), the coda's last to the step's first."""
+    """WEIGHT_PREFETCH's order: each block's QKV, O, gate/up and down in turn; the prelude into the loop (its linear
+    input injection, then the loop block); the loop block's last projection back to the injection (the next loop);
+    the coda's last to the step's first. A bare TinyLoopModel gives the same order."""
     from tinyloop_hf.cuda_path import projection_successors
 
-    model = tiny_model("huginn")  # a prelude block, two loop blocks, a coda block
+    model = tiny_model("huginn")  # a prelude block, a linear_concat injection, two loop blocks, a coda block
     inner = model.model
     successor = {id(group[0]): following for group, following in projection_successors(model)}
     prelude, first, last, coda = inner.prelude_layers[0], *inner.loop_layers, inner.coda_layers[0]
     assert successor[id(prelude.self_attn.q_proj)] == [prelude.self_attn.o_proj]
     assert successor[id(prelude.self_attn.o_proj)] == [prelude.mlp.gate_proj, prelude.mlp.up_proj]
     assert successor[id(prelude.mlp.gate_proj)] == [prelude.mlp.down_proj]
-    attention = [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj]
-    assert successor[id(prelude.mlp.down_proj)] == attention
+    assert successor[id(prelude.mlp.down_proj)] == [inner.injection]
+    assert successor[id(inner.injection)] == [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj]
     assert successor[id(first.mlp.down_proj)][0] is last.self_attn.q_proj
-    assert successor[id(last.mlp.down_proj)] == attention  # the next loop
+    assert successor[id(last.mlp.down_proj)] == [inner.injection]  # the next loop
     assert successor[id(coda.mlp.down_proj)][0] is prelude.self_attn.q_proj  # the next step
-    assert len(successor) == 4 * 4
+    assert len(successor) == 4 * 4 + 1
+    bare = {id(group[0]): following for group, following in projection_successors(inner)}
+    assert bare == successor
 
 
-def test_weight_prefetch_tables_tile_the_next_projection(launches, monkeypatch):
+@pytest.mark.parametrize("variant", ["llama", "huginn"])
+def test_weight_prefetch_tables_cover_the_next_launch(launches, monkeypatch, variant):
     """WEIGHT_PREFETCH: the first tensor-core launch of each projection (rows 0-15) passes a table of (address,
-    bytes) chunks, each at most _PREFETCH_CHUNK bytes, 16-byte aligned, inside a packed tensor of the projection
-    that follows, together covering all of them; the launch for rows 16-19 and every launch with the switch off
-    pass none."""
+    bytes) chunks, each at most _PREFETCH_CHUNK bytes and 16-byte aligned, tiling the packed tensors of the group
+    that follows it; in a recorded decode step the next such launch's weights lie in those chunks, except after the
+    loop's last pass (the table there serves the next loop). The launch for rows 16-19, and every launch with the
+    switch off, pass none."""
     from tinyloop_hf.cuda_path import projection_successors
 
-    model = _model("llama", 4)
+    model = _model(variant, 4)
     ops_cuda.link_weight_prefetch(projection_successors(model))
     cache = PagedTinyLoopCache(model.config, capacity=64)
     with torch.no_grad():
@@ -273,20 +276,34 @@ def test_weight_prefetch_tables_tile_the_next_projection(launches, monkeypatch):
             monkeypatch.setattr(ops_cuda, "WEIGHT_PREFETCH", on)
             launches.clear()
             model(torch.randint(1, 256, (20, 1)), past_key_values=cache, use_cache=True)
-            counts = [int(args[-1]) for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
-            projections = 4 * model.config.num_hidden_layers
-            assert len(counts) == 2 * projections  # rows 0-15 and 16-19 of each
-            assert sum(count > 0 for count in counts) == (projections if on else 0)
+            mma = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
+            first_rows = [args for args in mma if int(args[1]) == 16]  # rows 0-15 (rows 16-19: M = 4)
+            assert len(first_rows) == len(mma) // 2
+            assert all(int(args[-1]) == 0 for args in mma if int(args[1]) != 16)
+            assert any(int(args[-1]) > 0 for args in first_rows) == on
+    tables = {}
     for group, following in projection_successors(model):
         _, table = group[0].__dict__["_prefetch_table"]
+        tables[table.data_ptr()] = table.tolist()
         tensors = [t for layer in following for name in ops_cuda._GEMV_TENSORS
                    if isinstance(t := getattr(layer, name, None), torch.Tensor)]  # fmt: skip
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-        chunks = table.tolist()
+        chunks = tables[table.data_ptr()]
         assert all(at % 16 == 0 and 0 < size <= ops_cuda._PREFETCH_CHUNK and size % 16 == 0 for at, size in chunks)
         assert all(any(lo // 16 * 16 <= at and at + size <= hi for lo, hi in spans) for at, size in chunks)
         # every tensor whole, from its start rounded down to 16 bytes to its end rounded down (a 16-byte tail left)
         assert sum(size for _, size in chunks) == sum(hi // 16 * 16 - lo // 16 * 16 for lo, hi in spans)
+    # The recorded step: does each launch's table hold the next launch's first weight pointer (qweight of matrix 0)?
+    misses = []
+    for index, (current, following) in enumerate(zip(first_rows, first_rows[1:], strict=False)):
+        chunks = tables.get(int(current[-2]), [])
+        if not any(at <= int(following[3]) < at + size for at, size in chunks):
+            misses.append(index)
+    loops, per_loop = model.config.num_loops, 4 * model.config.num_loop_layers + (variant == "huginn")
+    # Llama (1 loop): none. Huginn: the last loop's last projection, whose table holds the next loop's injection
+    # while the coda comes next (the coda's last launch is the last of the step).
+    expected = [] if variant == "llama" else [4 * 1 + loops * per_loop - 1]
+    assert misses == expected
 
 
 @pytest.mark.parametrize("batch", [1, 48])

@@ -70,10 +70,11 @@ def capacity_bucket(tokens: int, fraction_bits: int = 3, minimum: int = MIN_CAPA
 
 
 def projection_successors(model: Any) -> list[tuple[list[Any], list[Any]]]:
-    """(group, the group a decode step runs next) for every projection group (QKV, O, gate/up, down of each block):
-    through the prelude, the loop block and the coda in order, except that the loop block's last group is followed
-    by its first (every loop but the last). A coda's last group is followed by the first group of the step."""
-    inner = model.model
+    """(group, the group a decode step runs next) for every projection group (QKV, O, gate/up, down of each block,
+    and a linear input injection before each loop): through the prelude, the loop (injection, then the loop block)
+    and the coda in order, except that the loop block's last group is followed by the loop's first (every loop but
+    the last). A coda's last group is followed by the first group of the step."""
+    inner = getattr(model, "model", model)  # a TinyLoopForCausalLM or a bare TinyLoopModel
 
     def groups(blocks: Any) -> list[list[Any]]:
         return [group for block in blocks for group in (
@@ -84,7 +85,9 @@ def projection_successors(model: Any) -> list[tuple[list[Any], list[Any]]]:
         """Each group of ``run`` with the next one, the last with the first of ``then``."""
         return list(zip(run, run[1:] + then[:1], strict=False))
 
-    prelude, loop, coda = groups(inner.prelude_layers), groups(inner.loop_layers), groups(inner.coda_layers)
+    injection = [[inner.injection]] if getattr(inner, "injection", None) is not None else []
+    prelude, coda = groups(inner.prelude_layers), groups(inner.coda_layers)
+    loop = injection + groups(inner.loop_layers)
     return followed(prelude, loop) + followed(loop, loop) + followed(coda, prelude + loop)
 
 

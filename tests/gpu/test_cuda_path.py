@@ -294,16 +294,35 @@ def test_l2_prefetches_leave_graph_replays_unchanged(variant, rows, switch, monk
                   return_dict_in_generate=True)  # fmt: skip
     want = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
     monkeypatch.setattr(ops_cuda, switch, True)
+    names, captured, kernel, launch = {}, [], ops_cuda.kernel, ops_cuda.launch
+
+    def named_kernel(file, name):
+        fn = kernel(file, name)
+        names[id(fn)] = name
+        return fn
+
+    def recorded_launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
+        if torch.cuda.is_current_stream_capturing():
+            captured.append((names.get(id(fn), ""), args))
+        launch(fn, grid, block, args, shared_mem, dependent, cluster)
+
+    monkeypatch.setattr(ops_cuda, "kernel", named_kernel)
+    monkeypatch.setattr(ops_cuda, "launch", recorded_launch)
     fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
     for _ in range(2):  # the first call captures, the second replays
         got = fast.generate(ids, **kwargs)
         assert torch.equal(got.sequences, want.sequences)
         assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
+    # The decode graph was captured with the prefetches on (the tensor-core kernel's last two arguments are the
+    # weight prefetch's table and count, its K/V flag is third from the end; the GEMV's K/V flag is its last).
+    mma = [args for name, args in captured if name.startswith("gemm_quant_mma")]
     if switch == "KV_PREFETCH":
-        assert ops_cuda._prefetch_kv_pages(next(iter(fast._cuda_path.storages.values())))  # the step prefetched
+        qkv = [args for name, args in captured if name.startswith(("gemv_quant", "gemm_quant_mma"))
+               and name.endswith(", true>")]  # fmt: skip
+        flag = -3 if rows > 1 else -1
+        assert qkv and all(int(args[flag]) == 1 for args in qkv)
     elif rows > 1:
-        tables = [m.__dict__.get("_prefetch_table") for m in fast.modules()]
-        assert any(table is not None and table[1] is not None for table in tables)  # the step prefetched
+        assert any(int(args[-1]) > 0 for args in mma)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
