@@ -236,8 +236,10 @@ def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
     """The (chunk table, count) arguments of a tensor-core launch over ``owner``'s group: 16-byte aligned pieces of at
     most _PREFETCH_CHUNK bytes of every packed tensor of the group that follows it (on the launch's device), or none.
     The table is rebuilt whenever one of those tensors moved or changed size (a stale address could fault)."""
+    if not WEIGHT_PREFETCH:  # every tensor-core launch asks: the switch first
+        return _NO_PREFETCH
     following = owner.__dict__.get("_prefetch_next")
-    if not WEIGHT_PREFETCH or following is None:
+    if following is None:
         return _NO_PREFETCH
     device = owner.qweight.device  # the launch's: a model split over GPUs may run the next group on another
     tensors = [getattr(layer, name, None) for layer in following for name in _GEMV_TENSORS]
@@ -626,13 +628,13 @@ def _attend(
         dtype, device = targets[0].dtype, targets[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
         prefetch = staged is None and _prefetch_kv_pages(storage)
-        widths = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout, int(prefetch))))
+        scalars = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout, int(prefetch))))
 
         def rope(start: int) -> tuple:
             """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row
-            tensors (angles, q, block table, positions) from that row, the pages and widths whole."""
+            tensors (angles, q, block table, positions) from that row, the pages and scalars whole."""
             per_row = [t[start:] for t in (cos, sin, query, targets[2], positions)]
-            return (*map(ptr, (*per_row[:3], targets[0], targets[1], *per_row[3:])), *widths)
+            return (*map(ptr, (*per_row[:3], targets[0], targets[1], *per_row[3:])), *scalars)
 
         qkv_projection(rope)
         key = value = None

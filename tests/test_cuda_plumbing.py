@@ -35,6 +35,14 @@ def declared_parameters(file: str, kernel: str) -> int:
     raise AssertionError(f"unterminated parameter list of {kernel}")
 
 
+def rope_arguments(name: str, args: tuple) -> tuple:
+    """A QKV launch's 13 RoPE-epilogue arguments (cos, sin, q, K pages, V pages, block table, positions,
+    max_blocks, Hq, Hkv, D, layout, prefetch_kv): gemv_quant's last ones; the tensor-core kernel's come before
+    its two weight-prefetch arguments."""
+    end = len(args) - 2 if name.startswith("gemm_quant_mma") else len(args)
+    return args[end - 13 : end]
+
+
 @pytest.fixture
 def launches(monkeypatch):
     recorded = []
@@ -138,7 +146,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
     junction_of = lambda launch: launch[3][-20:-13]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
-    rope_of = lambda launch: launch[3][-13:]  # cos, sin, q, K/V pages, table, positions, widths, layout, prefetch  # noqa: E731
+    rope_of = lambda launch: rope_arguments(launch[1], launch[3])  # noqa: E731
     first_qkv, second_qkv = launches[1], launches[1 + len(block)]
     assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
     assert all(int(a) != 0 for a in junction_of(second_qkv)[:5]) and int(junction_of(second_qkv)[6]) == 1  # sandwich
@@ -206,7 +214,7 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
     assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
-    first, second = (launch[-15:-2] for launch in qkv[:2])  # the RoPE arguments, before the weight prefetch
+    first, second = (rope_arguments("gemm_quant_mma", launch) for launch in qkv[:2])
     table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
     advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
     # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
@@ -229,10 +237,10 @@ def test_kv_prefetch_is_asked_for_where_the_pages_fit_in_l2(launches, monkeypatc
             launches.clear()
             model(torch.randint(1, 256, (rows, 1)), past_key_values=cache, use_cache=True)
         kind = "gemm_quant_mma" if rows > 1 else "gemv_quant"
-        qkv = [args for _, name, _, args, _ in launches if name.startswith(kind) and name.endswith(", true>")]
+        qkv = [rope_arguments(name, args) for _, name, _, args, _ in launches
+               if name.startswith(kind) and name.endswith(", true>")]  # fmt: skip
         assert len(qkv) >= model.config.num_hidden_layers
-        flag = -3 if rows > 1 else -1  # the tensor-core kernel's weight-prefetch arguments come after it
-        assert {int(args[flag]) for args in qkv} == {expected}, (kv_dtype, l2_bytes)
+        assert {int(rope[-1]) for rope in qkv} == {expected}, (kv_dtype, l2_bytes)
 
 
 def test_projection_successors_follow_the_decode_step():
@@ -350,11 +358,10 @@ def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
     assert torch.equal(staged_table, torch.arange(batch, dtype=torch.int32)[:, None].expand_as(staged_table))
     names = [name for _, name, *_ in launches]
     assert not any(name.startswith("rope_kv_append") for name in names)
-    # Each QKV launch's arguments up to its RoPE epilogue's (the tensor-core kernel's weight prefetch comes after).
-    qkv = [args[:-2] if name.startswith("gemm_quant_mma") else args for _, name, _, args, _ in launches
+    qkv = [rope_arguments(name, args) for _, name, _, args, _ in launches
            if name.startswith(("gemv_quant", "gemm_quant_mma")) and name.endswith(", true>")]  # fmt: skip
-    assert qkv and all(int(args[-10]) == staged_k.data_ptr() and int(args[-9]) == staged_v.data_ptr() for args in qkv)
-    assert all(int(args[-8]) == staged_table.data_ptr() for args in qkv[:1])  # the first launch starts at row 0
+    assert qkv and all(int(rope[3]) == staged_k.data_ptr() and int(rope[4]) == staged_v.data_ptr() for rope in qkv)
+    assert all(int(rope[5]) == staged_table.data_ptr() for rope in qkv[:1])  # the first launch starts at row 0
     paged = [args for _, name, _, args, _ in launches if name.startswith("paged_decode<__nv_bfloat16, 1, ")]
     assert len(paged) == model.config.num_hidden_layers
     assert all((int(args[5]), int(args[6])) == (staged_k.data_ptr(), staged_v.data_ptr()) for args in paged)
