@@ -117,3 +117,97 @@ __device__ void junction_row(const T* __restrict__ x, const T* __restrict__ bran
     normalize_with(v, w_next, next_weight_first);
     FOR_VECS(j, col) store_row8(next_out + col, v[j]);
 }
+
+// The folded junction (a GEMV's fold argument: one bf16 token row, sm_90+ decode steps): the junction kernel's work
+// done by every CTA of the projection that reads its output, with no block reduction before the dot products.
+//   sandwich: the branch's inverse RMS comes from the producing GEMV's sums of squares of its outputs (`squares`,
+//             one per warp of that launch, summed here), so sum = x + T(T(branch * inv) * w_branch) is elementwise;
+//   pre:      sum = x + branch.
+// The next sublayer's input is staged un-normalized, T(sum * w_next), and the projection scales its dot products by
+// sum's inverse RMS at the end (folded_inverse_rms), from the sums of squares the warps leave in fold_sums[1].
+// Rounding differs from junction_row only there: one bf16 rounding of sum * w_next instead of two of sum * inv and
+// its product with w_next. (bf16 keeps the fp32 exponent range, so an un-normalized row cannot overflow; fp16
+// could, and is not folded.)
+//
+// Shared memory: four rows of H, [branch, then the staged input | x | w_branch | w_next]. A thread copies and
+// reads only its own vectors (FOR_VECS), so only the sums cross threads.
+template <typename T>
+struct FoldedJunction {
+    const T* x;
+    const T* branch;
+    const T* w_branch;  // sandwich only
+    const T* w_next;
+    T* sum_out;             // the new residual stream (CTA 0 writes it), or null
+    const float* squares;   // sandwich: the producer's sums of squares of the branch
+    int square_count;
+    int H;
+    float eps;
+    int mode;  // 0 pre, 1 sandwich
+};
+
+// Before pdl_wait: the norm weights (no kernel writes them) into shared memory.
+template <typename T>
+__device__ void fold_copy_weights(const FoldedJunction<T>& f, T* rows) {
+    const int H = f.H;
+    FOR_VECS(j, col) {
+        if (f.mode == 1) copy_async16(rows + 2 * H + col, f.w_branch + col);
+        copy_async16(rows + 3 * H + col, f.w_next + col);
+    }
+}
+
+// After pdl_wait: rows[0 .. H) gets the next sublayer's un-normalized input; ends with a barrier.
+template <typename T>
+__device__ void fold_stage(const FoldedJunction<T>& f, T* rows, float (&fold_sums)[2][4]) {
+    const int H = f.H, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    FOR_VECS(j, col) {
+        copy_async16(rows + col, f.branch + col);
+        copy_async16(rows + H + col, f.x + col);
+    }
+    if (f.mode == 1) {
+        float partial = 0.0f;
+        for (int i = threadIdx.x; i < f.square_count; i += blockDim.x) partial += f.squares[i];
+        partial = warp_sum(partial);
+        if (lane == 0) fold_sums[0][warp] = partial;
+    }
+    copy_async_wait_all();
+    __syncthreads();
+    float inv_branch = 1.0f;
+    if (f.mode == 1) {
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += fold_sums[0][w];
+        inv_branch = rsqrtf(total / H + f.eps);
+    }
+    const T* tag = nullptr;
+    float squares = 0.0f;
+    FOR_VECS(j, col) {
+        float v[8], a[8], w[8];
+        load8_as_float(rows + col, v);
+        load8_as_float(rows + H + col, a);
+        if (f.mode == 1) {
+            load8_as_float(rows + 2 * H + col, w);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = round_to(round_to(v[e] * inv_branch, tag) * w[e], tag);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            v[e] = round_to(a[e] + v[e], tag);
+            squares += v[e] * v[e];
+        }
+        if (f.sum_out != nullptr) store_row8(f.sum_out + col, v);
+        load8_as_float(rows + 3 * H + col, w);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= w[e];
+        store_row8(rows + col, v);
+    }
+    squares = warp_sum(squares);
+    if (lane == 0) fold_sums[1][warp] = squares;
+    __syncthreads();
+}
+
+// The inverse RMS of the junction's sum, from what fold_stage left (after its barrier).
+__device__ __forceinline__ float folded_inverse_rms(const float (&fold_sums)[2][4], int H, float eps) {
+    const int warps = blockDim.x >> 5;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += fold_sums[1][w];
+    return rsqrtf(total / H + eps);
+}
