@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(WARPS * 32, 2) attention_block(
         float acc[4][1];
         // Rows of whole 16-byte chunks (the host checks H % 32 == 0), the scale dtype fixed: one copy of the loop.
         row_dots<4, T, 1, 4, 1, true, SCALE_BF16>(mat, base + first, step, N, H, group_shift, groups_in, SCALE_BF16,
-                                                  midpoint, x, H, 1, 0, acc, PdlWait{});
+                                                  midpoint, x, H, 1, 0, acc);
         if (lane < 2) {  // lane k finishes pair k of the task: gemv_quant.cu's RoPE epilogue (store_rope_pair)
             // rotate_half: pair k = rows (k, k + 2) of the four, dims (jj + k * D/4, + D/2), angle jj + k * D/4;
             // interleaved: rows (2k, 2k + 1), dims (4jj + 2k, + 1), angle 2jj + k.

@@ -123,21 +123,6 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-// pdl_wait as a callable: what the GEMV row loop runs once its first weight loads are issued (gemv_rows.cuh).
-struct PdlWait {
-    __device__ __forceinline__ void operator()() const { pdl_wait(); }
-};
-
-// 16 bytes from global to shared memory without passing through registers (sm_80+), and the wait for all of this
-// thread's copies.
-__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))),
-                 "l"(__cvta_generic_to_global(global))
-                 : "memory");
-}
-
-__device__ __forceinline__ void copy_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 // Ask L2 for `bytes` (a multiple of 16) from the 16-byte aligned global address p, asynchronously (sm_90+; a no-op
 // before). It only warms L2: nothing waits for it and no value changes.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {

@@ -22,12 +22,6 @@ template <int BITS, int MAXM, int R> struct GemvOccupancy {
 // Junction prologue (jx not null): x is not given but computed by every CTA from the residual stream jx and the
 // previous sublayer's output jbranch as the block's residual junction (norm.cuh) into shared memory (dynamic, M * K
 // elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
-// Folded junction (fold, jx not null: one bf16 token row on sm_90+): instead of the prologue above, every CTA stages
-// the junction's sum times the next norm weight once its first weight loads are issued, with no block reduction
-// before the dot products, and scales its outputs by the sum's inverse RMS at the end (norm.cuh: FoldedJunction;
-// shared memory 4 * K elements). jsquares / jsquare_count: the producing GEMV's sums of squares (sandwich).
-// row_squares (not null, one token row): each warp also writes the sum of squares of its rounded outputs there, at
-// its row group's index, for the folded junction that reads this launch's output.
 // RoPE epilogue (ROPE, one token, the QKV launch): each warp owns the two dims RoPE rotates together (rows
 // p, p + D/2 of a head for rotate_half, 2p, 2p + 1 interleaved) and writes rotated q to q_out and rotated K / V
 // into the token's page slot (16-token pages, T), replacing y and the rope_kv_append kernel; with prefetch_kv it
@@ -43,9 +37,9 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
-    float eps, int mode, const float* jsquares, int jsquare_count, int fold, float* row_squares,
-    const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages, const int* block_table,
-    const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout, int prefetch_kv) {
+    float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
+    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
+    int prefetch_kv) {
     static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
     pdl_trigger();
     if constexpr (ROPE) {
@@ -64,13 +58,7 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const int N = slot.N, column = slot.column, block = slot.block;
     extern __shared__ __align__(16) unsigned char staged_bytes[];
     T* staged = reinterpret_cast<T*>(staged_bytes);
-    // Only the instantiations the host folds into (bf16, one row, K unsplit) compile the folded junction, so the
-    // others keep their registers.
-    constexpr bool CAN_FOLD = MAXM == 1 && KSPLIT == 1 && Magic<T>::bits == 0x4300u;
-    const bool folded = CAN_FOLD && jx != nullptr && fold;
-    if (!CAN_FOLD && jx != nullptr && fold) __trap();  // the host folds only into the instantiations that can
-    __shared__ float fold_sums[2][4];
-    if (jx != nullptr && !folded) {
+    if (jx != nullptr) {
         pdl_wait();  // the junction reads the previous kernels' outputs
         for (int m = 0; m < M; ++m)
             junction_row(jx + static_cast<long long>(m) * K, jbranch + static_cast<long long>(m) * K, jw_branch,
@@ -84,24 +72,11 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
         row0 = (pair / half) * D + pair % half;
         row_step = half;
     }
-    // With KSPLIT > 1 or a folded junction every warp reaches the barriers below (rows past N are loaded clamped).
-    if (KSPLIT == 1 && row0 >= N && !folded) return;
+    if (KSPLIT == 1 && row0 >= N) return;  // with KSPLIT > 1 every warp reaches the barrier below
     float acc[MATS][R][MAXM];
-    const FoldedJunction<T> junction{jx, jbranch, jw_branch, jw_next, blockIdx.x == 0 ? jsum : nullptr, jsquares,
-                                     jsquare_count, K, eps, mode};
-    // The first matrix's loop runs the wait (and with a folded junction, its staging) once its first loads are out.
-    auto wait_and_fold = [&] {
-        if constexpr (CAN_FOLD) {
-            if (folded) fold_copy_weights<T>(junction, staged);
-        }
-        pdl_wait();
-        if constexpr (CAN_FOLD) {
-            if (folded) fold_stage<T>(junction, staged, fold_sums);
-        }
-    };
     auto dots = [&](const T* __restrict__ in, int ld) {
         row_dots_any<BITS, T, MAXM, R, KSPLIT>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                               midpoint, in, ld, M, part, acc[0], wait_and_fold);
+                                               midpoint, in, ld, M, part, acc[0]);
         if constexpr (SWIGLU) {
             const QuantMatrix up{qw1, qh1, sc1, zr1};
             row_dots_any<BITS, T, MAXM, R, KSPLIT>(up, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
@@ -134,16 +109,6 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
 #pragma unroll
                     for (int p = 1; p < KSPLIT; ++p) acc[mi][r][m] += partial[warp + p][mi][r][m];
     }
-    if (folded) {
-        if (row0 >= N) return;
-        const float inv = folded_inverse_rms(fold_sums, K, eps);
-#pragma unroll
-        for (int mi = 0; mi < MATS; ++mi)
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m) acc[mi][r][m] *= inv;
-    }
     if constexpr (SWIGLU) {
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -166,7 +131,6 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
                            v_pages, block_table, positions, Hq, Hkv, D);
         return;
     }
-    float squares = 0.0f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int row = row0 + r;
@@ -177,11 +141,8 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
                 float v = acc[0][r][m];
                 if (bias) v += to_float(bias[row]);
                 if (residual) v = to_float(from_float<T>(v)) + to_float(residual[m * ldr + column + row]);
-                const T out = from_float<T>(v);
-                y[m * ldy + column + row] = out;
-                if constexpr (!SWIGLU) squares += to_float(out) * to_float(out);
+                y[m * ldy + column + row] = from_float<T>(v);
             }
         }
     }
-    if (!SWIGLU && row_squares != nullptr) row_squares[row0 / R] = squares;
 }

@@ -47,13 +47,10 @@ __device__ __forceinline__ void load_chunk(const QuantMatrix& mat, int row0, int
 // Every load of a chunk is issued before any math and the next chunk's loads before this chunk's math, so two
 // chunks per lane are in flight; scales and the magic constants are converted once per chunk and row.
 // The warp's rows are row0 + r * row_step (row_step 1, or D/2 to pair the dims RoPE rotates together).
-// before_loop runs once the first chunks' loads are issued, in place of a bare pdl_wait (it must wait): the GEMV's
-// folded junction stages x there (norm.cuh).
-template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL, int SCALE_BF16, typename BeforeLoop>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT, bool ALL_FULL, int SCALE_BF16>
 __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                          int group_shift, int groups, int scale_is_bf16, int midpoint,
-                                         const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM],
-                                         const BeforeLoop& before_loop) {
+                                         const T* __restrict__ x, int ldx, int M, int part, float (&acc)[R][MAXM]) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int NG = ChunkGroups<BITS>::count;
     constexpr int STRIDE = 32 * KSPLIT;  // the KSPLIT warps of a row group interleave their chunks
@@ -118,7 +115,7 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
     }
     // Both first chunks are in flight (with programmatic launch, while the previous kernel still runs: at K 2048 a
     // lane's whole share); x (and everything written below) comes from earlier kernels.
-    before_loop();
+    pdl_wait();
     for (int c = lane; c < total; c += 2 * STRIDE) {
         const int c1 = c + STRIDE, c2 = c1 + STRIDE;
         accumulate(c, even);
@@ -138,18 +135,18 @@ __device__ __forceinline__ void row_dots(const QuantMatrix& mat, int row0, int r
 // ALL_FULL (every row a whole number of 16-byte chunks, the usual case) compiles the loop without the per-word
 // tail test, and with the scale dtype (SCALE_BF16 1 or 0) fixed instead of tested per chunk; other rows take the
 // general loop (SCALE_BF16 -1: the dtype read from scale_is_bf16).
-template <int BITS, typename T, int MAXM, int R, int KSPLIT, typename BeforeLoop = PdlWait>
+template <int BITS, typename T, int MAXM, int R, int KSPLIT>
 __device__ __forceinline__ void row_dots_any(const QuantMatrix& mat, int row0, int row_step, int N, int K,
                                              int group_shift, int groups, int scale_is_bf16, int midpoint,
                                              const T* __restrict__ x, int ldx, int M, int part,
-                                             float (&acc)[R][MAXM], const BeforeLoop& before_loop = BeforeLoop{}) {
+                                             float (&acc)[R][MAXM]) {
     if ((K / Layout<BITS>::cols_per_word) % 4 != 0)
         row_dots<BITS, T, MAXM, R, KSPLIT, false, -1>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                      midpoint, x, ldx, M, part, acc, before_loop);
+                                                      midpoint, x, ldx, M, part, acc);
     else if (scale_is_bf16)
         row_dots<BITS, T, MAXM, R, KSPLIT, true, 1>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                    midpoint, x, ldx, M, part, acc, before_loop);
+                                                    midpoint, x, ldx, M, part, acc);
     else
         row_dots<BITS, T, MAXM, R, KSPLIT, true, 0>(mat, row0, row_step, N, K, group_shift, groups, scale_is_bf16,
-                                                    midpoint, x, ldx, M, part, acc, before_loop);
+                                                    midpoint, x, ldx, M, part, acc);
 }

@@ -109,7 +109,6 @@ class _GemvPlan:
     tail: tuple
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
-    one_row_split: int  # warps sharing a row group (K split) in the one-row launch
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
     # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
     mma_launches: dict[int, tuple[str, int, int]] | None
@@ -172,9 +171,6 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
 
 
-ONE_ROW_WEIGHT_ROWS = 2  # weight rows per warp of the one-row GEMV (gemv_quant's R)
-
-
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
     tensors = [_layer_tensors(layer) for layer in layers]
@@ -195,12 +191,11 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
     launches = {}
     columns_per_word = _columns_per_word(fmt)
     words = K // columns_per_word
-    splits = {}
     for rows in (1, 4, 8):
         # One token row: 2 weight rows per warp (64 registers: 8 CTAs per SM). Several token rows: 4 weight rows per
         # warp, so each activation load (one per token row and word) serves 4 rows.
-        R = ONE_ROW_WEIGHT_ROWS if rows == 1 else 4
-        split = splits[rows] = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in row_sizes))
+        R = 2 if rows == 1 else 4
+        split = gemv_k_split(words // 4, sum(math.ceil(n / R) for n in row_sizes))
         ctas = sum(math.ceil(n / (4 // split * R)) for n in row_sizes)
         launches[rows] = (f"gemv_quant<{fmt.bits}, {cuda_type(dtype)}, {rows}, {R}, {flag}, {split}, false>", ctas)
     rope_name, rope_ctas = launches[1]
@@ -213,14 +208,12 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         warps = mma_warps(ctas, owner.qweight.device)
         name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
         mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
-    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, splits[1], rope_launch, mma_launches)
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
 
-# gemv_quant's junction arguments: x, branch, the two norm weights, the new residual stream, eps, mode (the prologue),
-# then the producer's sums of squares, their count and the fold flag (the folded junction).
-_NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0)) + (ptr(None), i32(0), i32(0))
+_NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
 _NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 6
 _NO_PREFETCH = (ptr(None), i32(0))
 
@@ -274,18 +267,14 @@ def _gemv(
     swiglu: bool,
     junction: tuple = _NO_JUNCTION,
     rope: Callable[[int], tuple] | None = None,
-    row_squares: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
-    ``junction``: the gemv_quant junction arguments, of the prologue or the folded junction (then x is only the
-    shape, see junction_mlp); ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch for the rows from a
-    given one on (see _attend; one token per row), which writes q and the K/V pages instead of y (None is returned);
-    ``row_squares``: one row, one matrix: each warp's sum of squares of its outputs is written there (see
-    _branch_projection)."""
+    ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
+    ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch for the rows from a given one on (see _attend;
+    one token per row), which writes q and the K/V pages instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
     fused = junction is not _NO_JUNCTION
-    folded = fused and int(junction[-1]) != 0
     with_rope = rope is not None
     if with_rope and (swiglu or len(layers) != 3 or (rows > 1 and plan.mma_launches is None)):
         raise ValueError("the RoPE epilogue serves the QKV projection: one row, or the tensor-core kernel's rows")
@@ -298,8 +287,6 @@ def _gemv(
         return (np.uint64(x.data_ptr() + start * row_bytes), i32(chunk), i32(K), *plan.matrices, ptr(None),
                 plan.tail[0], out, *plan.tail)  # fmt: skip
 
-    if row_squares is not None and (rows != 1 or swiglu or len(layers) != 1 or with_rope):
-        raise ValueError("row_squares serves one row of one matrix")
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
@@ -315,10 +302,9 @@ def _gemv(
         maxm = 1 if chunk == 1 else (4 if chunk <= 4 else 8)
         if fused and (start or chunk != rows):
             raise ValueError("the junction prologue serves up to 8 rows in one launch")
-        args = (*arguments(start, chunk), *junction, ptr(row_squares), *(rope(start) if with_rope else _NO_ROPE))
+        args = (*arguments(start, chunk), *junction, *(rope(start) if with_rope else _NO_ROPE))
         name, ctas = plan.rope_launch if with_rope else plan.launches[maxm]
-        # The junction's output staged for every CTA; a folded junction's four rows (branch | x | norm weights).
-        shared = (4 if folded else chunk) * row_bytes if fused else 0
+        shared = chunk * row_bytes if fused else 0  # the junction's output, staged for every CTA
         launch(kernel("gemv_quant.cu", name), (ctas,), (_THREADS,), args, shared_mem=shared, dependent=True)
     return y
 
@@ -446,70 +432,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def mlp(module: Any, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     hidden = project(rows, [module.gate_proj, module.up_proj], swiglu=True)
-    return _branch_projection(hidden, module.down_proj, (*x.shape[:-1], -1))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Folded junctions
-# ----------------------------------------------------------------------------------------------------------------------
-
-# A/B switch (ablate_decode --junction-fold; not yet measured): one-row bf16 decode steps on sm_90+ run the residual
-# junctions of "pre" and "sandwich" blocks inside the next projection (QKV, gate/up) instead of the junction kernel:
-# every CTA stages the junction's sum times the next norm weight once its first weight loads are issued, and scales
-# its dot products by the sum's inverse RMS at the end (norm.cuh: FoldedJunction). Sandwich blocks normalize the
-# branch too: the o_proj / down_proj launch writes its outputs' sums of squares, and the fold sums those instead of
-# reducing the branch again. The junction kernels add 2 x 4.8 us of a 29.9 us layer application at batch 1 (H200,
-# replay_timeline); removing both bounded the gain at 0.4 ms per step (ablate_decode --skip, seventeenth session).
-JUNCTION_FOLD = False
-FOLD_MODES = ("pre", "sandwich")
-
-
-def _branch_projection(x: torch.Tensor, layer: Any, shape: tuple[int, ...]) -> torch.Tensor:
-    """x through a sublayer's last projection (o_proj, down_proj), viewed as ``shape``. Where a folded junction may
-    read it (one bf16 row, JUNCTION_FOLD, programmatic launches), the GEMV also writes its warps' sums of squares of
-    the output, which the result carries as ``_branch_squares`` for the fold (see _folded_junction)."""
-    if not (JUNCTION_FOLD and x.shape[0] == 1 and x.dtype == torch.bfloat16 and isinstance(layer, QuantLinear)
-            and x.is_contiguous() and x.data_ptr() % 16 == 0 and programmatic_launches(x.device)):  # fmt: skip
-        return project(x, [layer]).view(shape)
-    _check(x, "the activation")
-    squares = torch.empty(math.ceil(layer.out_features / ONE_ROW_WEIGHT_ROWS), dtype=torch.float32, device=x.device)
-    out = _gemv(x, [layer], swiglu=False, row_squares=squares).view(shape)
-    out._branch_squares = squares
-    return out
-
-
-def _folded_junction(
-    junction: Junction, layers: list[Any], swiglu: bool
-) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
-    """(x's rows, the new residual stream to be written, gemv_quant junction arguments) for a one-row GEMV launch over
-    ``layers`` that folds the junction in (JUNCTION_FOLD), or None where it does not: other modes, dtypes or row
-    counts, unquantized layers, a K-split launch, or (sandwich) a branch without its producer's sums of squares."""
-    x = junction.x
-    if not (JUNCTION_FOLD and junction.mode in FOLD_MODES and x.dtype == torch.bfloat16
-            and programmatic_launches(x.device)):  # fmt: skip
-        return None
-    hidden = x.shape[-1]
-    rows = x.reshape(-1, hidden)
-    squares = getattr(junction.branch, "_branch_squares", None) if junction.mode == "sandwich" else None
-    fits = (
-        rows.shape[0] == 1
-        and all(isinstance(layer, QuantLinear) for layer in layers)
-        and hidden <= JUNCTION_PROLOGUE_MAX_HIDDEN
-        and hidden % 8 == 0
-        and (junction.mode == "pre" or squares is not None)
-    )
-    if not fits or _gemv_plan(layers, swiglu, x.dtype).one_row_split != 1:
-        return None
-    _check(x, "the residual stream")
-    rows, branch = rows.contiguous(), junction.branch.reshape(-1, hidden).contiguous()
-    weights = [w for w in (junction.branch_weight, junction.next_weight) if w is not None]
-    if any(t.data_ptr() % 16 for t in (rows, branch, *weights)):  # the fold copies 16-byte vectors
-        return None
-    total = torch.empty_like(x)
-    count = 0 if squares is None else squares.numel()
-    arguments = (ptr(rows), ptr(branch), ptr(junction.branch_weight), ptr(junction.next_weight), ptr(total),
-                 f32(junction.eps), i32(JUNCTION_MODES[junction.mode]), ptr(squares), i32(count), i32(1))  # fmt: skip
-    return rows, total, arguments
+    return project(hidden, [module.down_proj]).view(*x.shape[:-1], -1)
 
 
 JUNCTION_PROLOGUE_MAX_HIDDEN = 8 * 4 * _THREADS  # norm.cuh: 8 values x MAX_VECS vectors per thread
@@ -522,13 +445,13 @@ def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.T
     gate/up GEMV (every CTA normalizes the row into shared memory, CTA 0 writes the new residual stream); otherwise
     the junction kernel, then the MLP (see _junction_prologue)."""
     gate_up = [module.gate_proj, module.up_proj]
-    prologue = _folded_junction(junction, gate_up, swiglu=True) or _junction_prologue(junction, gate_up)
+    prologue = _junction_prologue(junction, gate_up)
     if prologue is None:
         total, normed = residual_norm(*junction.residual_norm_args())
         return total, mlp(module, normed)
     rows, total, arguments = prologue
     activated = _gemv(rows, gate_up, swiglu=True, junction=arguments)
-    return total, _branch_projection(activated, module.down_proj, (*junction.x.shape[:-1], -1))
+    return total, project(activated, [module.down_proj]).view(*junction.x.shape[:-1], -1)
 
 
 def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
@@ -559,7 +482,7 @@ def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Ten
         return None
     total = torch.empty_like(x)
     arguments = (ptr(rows), ptr(branch), ptr(junction.branch_weight), ptr(junction.next_weight), ptr(total),
-                 f32(junction.eps), i32(JUNCTION_MODES[junction.mode]), *_NO_JUNCTION[7:])  # not folded  # fmt: skip
+                 f32(junction.eps), i32(JUNCTION_MODES[junction.mode]))  # fmt: skip
     return rows, total, arguments
 
 
@@ -650,10 +573,10 @@ def junction_attention(module: Any, junction: Junction, context: Any, slot: int)
     """The previous block's last junction and this block's attention on its normed output. One decode row with
     quantized projections, where graphs are not captured with programmatic launches: the junction runs in the
     prologue of the QKV GEMV (and RoPE + KV append in its epilogue where the cache allows); otherwise the junction
-    kernel, then attention. With JUNCTION_FOLD (sm_90+, see _folded_junction) the QKV GEMV folds it."""
+    kernel, then attention."""
     batch, steps, _ = junction.x.shape
     layers = [module.q_proj, module.k_proj, module.v_proj]
-    prologue = _folded_junction(junction, layers, swiglu=False) or _junction_prologue(junction, layers)
+    prologue = _junction_prologue(junction, layers)
     if prologue is None:
         total, normed = residual_norm(*junction.residual_norm_args())
         return total, self_attention(module, normed, context, slot)
@@ -747,7 +670,7 @@ def _attend(
         attended = get_op("attention", REFERENCE)(q, k, v, context.mask, context.is_causal, module.scaling,
                                                    implementation)  # fmt: skip
         out = attended.transpose(1, 2).reshape(batch * steps, heads * dim)
-    return _branch_projection(out.reshape(batch * steps, -1), module.o_proj, (batch, steps, -1))
+    return project(out.reshape(batch * steps, -1), [module.o_proj]).view(batch, steps, -1)
 
 
 def decode_cluster(device: torch.device) -> int:

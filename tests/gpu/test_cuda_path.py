@@ -325,64 +325,6 @@ def test_l2_prefetches_leave_graph_replays_unchanged(variant, rows, switch, monk
         assert any(int(args[-1]) > 0 for args in mma)
 
 
-@pytest.mark.parametrize("hidden", [64, 512])
-@pytest.mark.parametrize("variant", ["ouro", "llama"])  # sandwich norms (the branch's sums of squares); pre norms
-def test_folded_junctions_match_the_junction_kernels(variant, hidden, monkeypatch):
-    """JUNCTION_FOLD (one bf16 row, sm_90+): the junctions run inside the QKV and gate/up GEMVs. Decode logits stay
-    as close to the reference path as the junction kernels' are, the graph-replayed generate() gives the eager
-    tokens and scores exactly, and the captured step carried no junction kernel inside its loops."""
-    from tinyloop_hf.kernels import loader, ops_cuda
-
-    if not loader.programmatic_launches():
-        pytest.skip("junctions fold only on sm_90+ (programmatic launches)")
-    quant = TinyLoopQuantConfig(bits=4, group_size=32)
-
-    def model(fold: bool, reference: bool = False):
-        monkeypatch.setattr(ops_cuda, "JUNCTION_FOLD", fold)
-        built = tiny_model(variant, hidden_size=hidden, intermediate_size=2 * hidden)
-        quantize_model(built, quant, progress=False)
-        built = built.to("cuda", torch.bfloat16)
-        return built if reference else built.use_cuda_path(cuda_graphs=not reference)
-
-    ids = IDS[:1].cuda()
-    reference = model(False, reference=True)
-    want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
-    scale = want.abs().max()
-    kernels = model(False)
-    unfolded = decode_logits(kernels, ids, 6, kernels.new_cache())
-    folded_model = model(True)
-    folded = decode_logits(folded_model, ids, 6, folded_model.new_cache())
-    kernel_error = (unfolded - want).abs().max().item()
-    assert (folded - want).abs().max() <= max(2 * kernel_error, 1e-2 * scale)
-    assert (folded - unfolded).abs().max() <= 1e-2 * scale
-
-    kwargs = dict(max_new_tokens=16, do_sample=False, output_scores=True, return_dict_in_generate=True)
-    eager = folded_model.use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
-    names, captured, kernel, launch = {}, [], ops_cuda.kernel, ops_cuda.launch
-
-    def named_kernel(file, name):
-        fn = kernel(file, name)
-        names[id(fn)] = name
-        return fn
-
-    def recorded_launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
-        if torch.cuda.is_current_stream_capturing():
-            captured.append((names.get(id(fn), ""), grid))
-        launch(fn, grid, block, args, shared_mem, dependent, cluster)
-
-    monkeypatch.setattr(ops_cuda, "kernel", named_kernel)
-    monkeypatch.setattr(ops_cuda, "launch", recorded_launch)
-    fast = model(True)
-    for _ in range(2):  # the first call captures, the second replays
-        got = fast.generate(ids, **kwargs)
-        assert torch.equal(got.sequences, eager.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(got.scores, eager.scores, strict=True))
-    # In the decode graph (one-row junction grids) only each loop's last junction, before the loop's norm, runs as
-    # a kernel; unfolded there are two per block.
-    junctions = sum(name.startswith("residual_norm") and grid == (1,) for name, grid in captured)
-    assert junctions == fast.config.num_loops
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
 @pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
