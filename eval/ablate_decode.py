@@ -96,10 +96,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     parser.add_argument("--junction-programmatic", action="store_true",
                         help="residual junctions launched programmatically at every batch")
-    parser.add_argument("--kv-prefetch", action="store_true",
-                        help="the QKV launch prefetches the step's K/V pages into L2 (ops_cuda.KV_PREFETCH)")
-    parser.add_argument("--weight-prefetch", action="store_true",
-                        help="tensor-core launches prefetch the next projection into L2 (ops_cuda.WEIGHT_PREFETCH)")
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
                         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
@@ -121,8 +117,6 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.junction_programmatic:
         ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
-    ops_cuda.KV_PREFETCH = args.kv_prefetch
-    ops_cuda.WEIGHT_PREFETCH = args.weight_prefetch
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     patch_sources(args.without)
@@ -135,8 +129,6 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
-    label += ", K/V prefetched into L2" if args.kv_prefetch else ""
-    label += ", next weights prefetched into L2" if args.weight_prefetch else ""
     return label
 
 

@@ -122,21 +122,3 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
 }
-
-// Ask L2 for `bytes` (a multiple of 16) from the 16-byte aligned global address p, asynchronously (sm_90+; a no-op
-// before). It only warms L2: nothing waits for it and no value changes.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "r"(bytes)
-                 : "memory");
-#endif
-}
-
-// The weight prefetch of a projection launch (prefetch_count > 0): thread 0 of CTA i asks L2 for chunks i,
-// i + gridDim.x, ... of a table of (address, bytes) pairs (the next projection's weights, ops_cuda), so that the
-// next launch, which cannot start before this one's CTAs leave, finds them on chip.
-__device__ __forceinline__ void prefetch_l2_chunks(const unsigned long long* chunks, int count) {
-    if (threadIdx.x != 0) return;
-    for (int i = blockIdx.x; i < count; i += gridDim.x)
-        prefetch_l2(reinterpret_cast<const void*>(chunks[2 * i]), static_cast<unsigned>(chunks[2 * i + 1]));
-}

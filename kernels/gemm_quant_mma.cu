@@ -155,9 +155,7 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
 // are 8 dim pairs of one head, rows g and g + 8 of the tile the two dims RoPE rotates together (p, p + D/2 for
 // rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
-// kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0. With prefetch_kv the launch first asks L2
-// for the K/V pages the step's attention reads (rope_epilogue.cuh); with prefetch_count for the chunks of a table
-// (the next projection's weights: common.cuh).
+// kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
 template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
 __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
@@ -169,17 +167,12 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     int N2,
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages,
-    T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
-    int prefetch_kv, const unsigned long long* prefetch_chunks, int prefetch_count) {
+    T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
     static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
     pdl_trigger();
-    if constexpr (ROPE) {
-        if (prefetch_kv) prefetch_kv_pages<T>(k_pages, v_pages, block_table, positions, M, max_blocks, Hkv, D);
-    }
-    if (prefetch_count) prefetch_l2_chunks(prefetch_chunks, prefetch_count);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const ProjectionSlot<T> slot =
         select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,

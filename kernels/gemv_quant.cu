@@ -24,8 +24,7 @@ template <int BITS, int MAXM, int R> struct GemvOccupancy {
 // elements); CTA 0 also writes the new residual stream to jsum. This replaces a separate junction kernel.
 // RoPE epilogue (ROPE, one token, the QKV launch): each warp owns the two dims RoPE rotates together (rows
 // p, p + D/2 of a head for rotate_half, 2p, 2p + 1 interleaved) and writes rotated q to q_out and rotated K / V
-// into the token's page slot (16-token pages, T), replacing y and the rope_kv_append kernel; with prefetch_kv it
-// first asks L2 for the K/V pages the step's attention reads (rope_epilogue.cuh).
+// into the token's page slot (16-token pages, T), replacing y and the rope_kv_append kernel.
 template <int BITS, typename T, int MAXM, int R, bool SWIGLU, int KSPLIT, bool ROPE>
 __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) gemv_quant(
     const T* __restrict__ x, int M, int ldx,
@@ -38,13 +37,9 @@ __global__ void __launch_bounds__(128, GemvOccupancy<BITS, MAXM, R>::min_ctas) g
     const T* __restrict__ residual, int ldr, T* __restrict__ y, int ldy, int K, int group_shift, int groups,
     int scale_is_bf16, int midpoint, const T* jx, const T* jbranch, const T* jw_branch, const T* jw_next, T* jsum,
     float eps, int mode, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages, T* v_pages,
-    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
-    int prefetch_kv) {
+    const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
     static_assert(!ROPE || (MAXM == 1 && R == 2 && !SWIGLU), "the RoPE epilogue: one token, one dim pair per warp");
     pdl_trigger();
-    if constexpr (ROPE) {
-        if (prefetch_kv) prefetch_kv_pages<T>(k_pages, v_pages, block_table, positions, 1, max_blocks, Hkv, D);
-    }
     constexpr int GROUPS_PER_CTA = 4 / KSPLIT;
     constexpr int ROWS_PER_CTA = GROUPS_PER_CTA * R;
     constexpr int MATS = SWIGLU ? 2 : 1;

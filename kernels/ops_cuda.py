@@ -9,7 +9,6 @@ Everything a kernel cannot serve raises CudaPathUnavailable with the reason; not
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -214,51 +213,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
 
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
-_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 6
-_NO_PREFETCH = (ptr(None), i32(0))
-
-# A/B switch (ablate_decode --weight-prefetch; not yet measured): a tensor-core projection launch (2-16 rows) first
-# asks L2 for the weights of the projection its decode step runs next (link_weight_prefetch records that order).
-# The next launch cannot start loading them itself before this one's CTAs leave the SMs, and at batch 16 the
-# tensor-core kernels are latency-bound at ~0.9 TB/s with DRAM mostly idle.
-WEIGHT_PREFETCH = False
-_PREFETCH_CHUNK = 64 * 1024  # bytes per prefetch instruction
-
-
-def link_weight_prefetch(pairs: list[tuple[list[Any], list[Any]]]) -> None:
-    """Record for each (group, following) pair of projection groups (lists of layers, as _gemv takes them) that a
-    decode step runs ``following`` after ``group``, on the group's first layer (WEIGHT_PREFETCH)."""
-    for group, following in pairs:
-        group[0].__dict__["_prefetch_next"] = tuple(following)
-
-
-def _weight_prefetch(owner: Any) -> tuple[np.uint64, np.int32]:
-    """The (chunk table, count) arguments of a tensor-core launch over ``owner``'s group: 16-byte aligned pieces of at
-    most _PREFETCH_CHUNK bytes of every packed tensor of the group that follows it (on the launch's device), or none.
-    The table is rebuilt whenever one of those tensors moved or changed size (a stale address could fault)."""
-    if not WEIGHT_PREFETCH:  # every tensor-core launch asks: the switch first
-        return _NO_PREFETCH
-    following = owner.__dict__.get("_prefetch_next")
-    if following is None:
-        return _NO_PREFETCH
-    device = owner.qweight.device  # the launch's: a model split over GPUs may run the next group on another
-    tensors = [getattr(layer, name, None) for layer in following for name in _GEMV_TENSORS]
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_contiguous() and t.device == device]
-    spans = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
-    cached = owner.__dict__.get("_prefetch_table")
-    if cached is None or cached[0] != spans:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return _NO_PREFETCH  # a table is built by an eager step (its copy to the device cannot be captured)
-        chunks = []
-        for start, size in spans:
-            first, end = start // 16 * 16, (start + size) // 16 * 16
-            chunks += [(at, min(_PREFETCH_CHUNK, end - at)) for at in range(first, end, _PREFETCH_CHUNK)]
-        table = torch.tensor(chunks, dtype=torch.int64, device=device) if chunks else None
-        if cached is not None:  # a graph captured before may still read the old table: it stays allocated
-            owner.__dict__.setdefault("_prefetch_tables_replaced", []).append(cached[1])
-        cached = owner.__dict__["_prefetch_table"] = (spans, table)
-    table = cached[1]
-    return (ptr(table), i32(table.shape[0])) if table is not None else _NO_PREFETCH
+_NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
 
 
 def _gemv(
@@ -293,8 +248,7 @@ def _gemv(
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
             if with_rope:
                 name = name.replace(", false>", ", true>")
-            prefetch = _weight_prefetch(layers[0]) if start == 0 else _NO_PREFETCH  # once per projection
-            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE), *prefetch)
+            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
@@ -326,26 +280,6 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
 
 
 ROPE_EPILOGUE = True  # A/B switch: the QKV launch's RoPE + KV-append epilogue (else the rope_kv_append kernel)
-# A/B switch (ablate_decode --kv-prefetch; not yet measured): the QKV launch with the RoPE epilogue first asks L2 for
-# the 16-bit K/V pages its step's attention reads (rope_epilogue.cuh), where the storage's K/V fit in this fraction
-# of the L2 cache beside the streamed weights.
-KV_PREFETCH = False
-KV_PREFETCH_L2_FRACTION = 0.75
-
-
-@functools.cache
-def _l2_bytes(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).L2_cache_size
-
-
-def _prefetch_kv_pages(storage: Any) -> bool:
-    """Whether a decode step's QKV launch prefetches the 16-bit pages it writes into (KV_PREFETCH): all of the
-    storage's K/V for one slot (every row at its full capacity) must fit in KV_PREFETCH_L2_FRACTION of L2, else
-    the prefetched pages would evict each other before paged decode reads them."""
-    if not KV_PREFETCH or storage.int8:
-        return False
-    slot_bytes = storage.batch * storage.capacity * storage.bytes_per_token_per_slot()
-    return slot_bytes <= KV_PREFETCH_L2_FRACTION * _l2_bytes(storage.device)
 
 
 _DEQUANT_BUFFERS: dict[tuple, torch.Tensor] = {}
@@ -627,8 +561,7 @@ def _attend(
         targets = staged if staged is not None else (pages[0], pages[1], table)  # K pages, V pages, block table
         dtype, device = targets[0].dtype, targets[0].device
         query = torch.empty(batch * steps, heads, dim, dtype=dtype, device=device)
-        prefetch = staged is None and _prefetch_kv_pages(storage)
-        scalars = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout, int(prefetch))))
+        scalars = tuple(map(i32, (targets[2].shape[1], heads, kv_heads, dim, layout)))
 
         def rope(start: int) -> tuple:
             """The epilogue's arguments for the rows from ``start`` on (a tensor-core launch serves 16): the per-row

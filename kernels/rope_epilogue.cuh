@@ -32,23 +32,3 @@ __device__ __forceinline__ void store_rope_pair(float a, float c, int column, in
     dst[d0] = from_float<T>(out0);
     dst[d1] = from_float<T>(out1);
 }
-
-// K/V prefetch (the QKV launch of a decode step, prefetch_kv set): one thread in each of the first CTAs asks L2 for a
-// whole page (16 tokens of every KV head: Hkv * 16 * D values of T) of K and one of V that the step's attention will
-// read, for rows 0 .. M - 1 up to each row's new token (positions[m]). Paged decode cannot start until this launch's
-// CTAs leave the SMs, so it otherwise issues every K/V load from HBM after the projection. A prefetch only warms L2:
-// no result changes. Block tables and positions are filled before the step, so this runs before pdl_wait.
-template <typename T>
-__device__ __forceinline__ void prefetch_kv_pages(const T* k_pages, const T* v_pages, const int* block_table,
-                                                  const int* positions, int M, int max_blocks, int Hkv, int D) {
-    if (threadIdx.x != 0) return;
-    const long long page_values = static_cast<long long>(Hkv) * 16 * D;
-    const unsigned bytes = static_cast<unsigned>(page_values * sizeof(T));
-    for (int i = blockIdx.x; i < M * max_blocks; i += gridDim.x) {
-        const int m = i / max_blocks, block = i % max_blocks;
-        if (block > positions[m] / 16) continue;
-        const long long first = block_table[static_cast<long long>(m) * max_blocks + block] * page_values;
-        prefetch_l2(k_pages + first, bytes);
-        prefetch_l2(v_pages + first, bytes);
-    }
-}

@@ -35,12 +35,10 @@ def declared_parameters(file: str, kernel: str) -> int:
     raise AssertionError(f"unterminated parameter list of {kernel}")
 
 
-def rope_arguments(name: str, args: tuple) -> tuple:
-    """A QKV launch's 13 RoPE-epilogue arguments (cos, sin, q, K pages, V pages, block table, positions,
-    max_blocks, Hq, Hkv, D, layout, prefetch_kv): gemv_quant's last ones; the tensor-core kernel's come before
-    its two weight-prefetch arguments."""
-    end = len(args) - 2 if name.startswith("gemm_quant_mma") else len(args)
-    return args[end - 13 : end]
+def rope_arguments(args: tuple) -> tuple:
+    """A QKV launch's 12 RoPE-epilogue arguments (cos, sin, q, K pages, V pages, block table, positions,
+    max_blocks, Hq, Hkv, D, layout): the last ones of gemv_quant and of the tensor-core kernel."""
+    return args[-12:]
 
 
 @pytest.fixture
@@ -145,8 +143,8 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     block = ["gemv_quant", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
     loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
-    junction_of = lambda launch: launch[3][-20:-13]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
-    rope_of = lambda launch: rope_arguments(launch[1], launch[3])  # noqa: E731
+    junction_of = lambda launch: launch[3][-19:-12]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
+    rope_of = lambda launch: rope_arguments(launch[3])  # noqa: E731
     first_qkv, second_qkv = launches[1], launches[1 + len(block)]
     assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
     assert all(int(a) != 0 for a in junction_of(second_qkv)[:5]) and int(junction_of(second_qkv)[6]) == 1  # sandwich
@@ -154,8 +152,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
         assert qkv_launch[1].endswith(", true>")  # the RoPE epilogue
         rope = rope_of(qkv_launch)
         assert all(int(a) != 0 for a in rope[:7])
-        # rotate_half, no K/V prefetch (ops_cuda.KV_PREFETCH is off)
-        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0, 0]
+        assert [int(a) for a in rope[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]  # rotate_half
         page_pointers = {t.data_ptr() for pages in cache.storage.pages.values() for t in pages[:2]}
         assert {int(rope[3]), int(rope[4])} <= page_pointers and int(rope[3]) != int(rope[4])
     qkv = first_qkv[3]
@@ -178,7 +175,7 @@ def test_rope_epilogue_switch_holds_with_the_junction_prologue(launches, monkeyp
     model, _ = _ouro_decode_step(launches)
     names = [name for _, name, *_ in launches]
     qkv = [launch for launch in launches if launch[1].startswith("gemv_quant") and int(launch[3][20]) != 0]  # N2
-    assert any(int(launch[3][-20]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
+    assert any(int(launch[3][-19]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
     assert not any(name.startswith("gemv_quant") and name.endswith(", true>") for name in names)
     assert sum(name.startswith("rope_kv_append") for name in names) == len(qkv)
 
@@ -195,7 +192,7 @@ def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, 
     loop += ["residual_norm", *attention, *mlp] * (model.config.num_loop_layers - 1) + ["residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
     gemvs = [launch for launch in launches if launch[1].startswith("gemv_quant")]
-    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-20:-15])  # no junction prologue anywhere
+    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-19:-14])  # no junction prologue anywhere
     assert gemvs[0][1].endswith(", true>") and ", true, " in gemvs[2][1]  # RoPE epilogue; SwiGLU in gate/up
 
 
@@ -214,104 +211,12 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
     assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
-    first, second = (rope_arguments("gemm_quant_mma", launch) for launch in qkv[:2])
+    first, second = (rope_arguments(launch) for launch in qkv[:2])
     table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
     advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
     # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
     assert advanced == [16 * angles_row, 16 * angles_row, 16 * heads * dim * 2, 0, 0, 16 * table_row, 16 * 4]
-    assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0, 0]
-
-
-@pytest.mark.parametrize("rows", [1, 20])  # the CUDA-core GEMV's epilogue, the tensor-core kernel's
-def test_kv_prefetch_is_asked_for_where_the_pages_fit_in_l2(launches, monkeypatch, rows):
-    """KV_PREFETCH: a decode step's QKV launches (with the RoPE epilogue) get prefetch_kv 1 where one slot's 16-bit
-    K/V at the storage's capacity fit in KV_PREFETCH_L2_FRACTION of L2, 0 where they do not, and 0 for INT8 pages
-    (their new tokens go to staging pages)."""
-    monkeypatch.setattr(ops_cuda, "KV_PREFETCH", True)
-    model = _model("llama", 4)
-    for kv_dtype, l2_bytes, expected in (("auto", 50 << 20, 1), ("auto", 1 << 10, 0), ("int8", 50 << 20, 0)):
-        monkeypatch.setattr(ops_cuda, "_l2_bytes", lambda device, size=l2_bytes: size)
-        cache = PagedTinyLoopCache(model.config, capacity=64, kv_dtype=kv_dtype)
-        with torch.no_grad():
-            model(torch.randint(1, 256, (rows, 8)), past_key_values=cache, use_cache=True)
-            launches.clear()
-            model(torch.randint(1, 256, (rows, 1)), past_key_values=cache, use_cache=True)
-        kind = "gemm_quant_mma" if rows > 1 else "gemv_quant"
-        qkv = [rope_arguments(name, args) for _, name, _, args, _ in launches
-               if name.startswith(kind) and name.endswith(", true>")]  # fmt: skip
-        assert len(qkv) >= model.config.num_hidden_layers
-        assert {int(rope[-1]) for rope in qkv} == {expected}, (kv_dtype, l2_bytes)
-
-
-def test_projection_successors_follow_the_decode_step():
-    """WEIGHT_PREFETCH's order: each block's QKV, O, gate/up and down in turn; the prelude into the loop (its linear
-    input injection, then the loop block); the loop block's last projection back to the injection (the next loop);
-    the coda's last to the step's first. A bare TinyLoopModel gives the same order."""
-    from tinyloop_hf.cuda_path import projection_successors
-
-    model = tiny_model("huginn")  # a prelude block, a linear_concat injection, two loop blocks, a coda block
-    inner = model.model
-    successor = {id(group[0]): following for group, following in projection_successors(model)}
-    prelude, first, last, coda = inner.prelude_layers[0], *inner.loop_layers, inner.coda_layers[0]
-    assert successor[id(prelude.self_attn.q_proj)] == [prelude.self_attn.o_proj]
-    assert successor[id(prelude.self_attn.o_proj)] == [prelude.mlp.gate_proj, prelude.mlp.up_proj]
-    assert successor[id(prelude.mlp.gate_proj)] == [prelude.mlp.down_proj]
-    assert successor[id(prelude.mlp.down_proj)] == [inner.injection]
-    assert successor[id(inner.injection)] == [first.self_attn.q_proj, first.self_attn.k_proj, first.self_attn.v_proj]
-    assert successor[id(first.mlp.down_proj)][0] is last.self_attn.q_proj
-    assert successor[id(last.mlp.down_proj)] == [inner.injection]  # the next loop
-    assert successor[id(coda.mlp.down_proj)][0] is prelude.self_attn.q_proj  # the next step
-    assert len(successor) == 4 * 4 + 1
-    bare = {id(group[0]): following for group, following in projection_successors(inner)}
-    assert bare == successor
-
-
-@pytest.mark.parametrize("variant", ["llama", "huginn"])
-def test_weight_prefetch_tables_cover_the_next_launch(launches, monkeypatch, variant):
-    """WEIGHT_PREFETCH: the first tensor-core launch of each projection (rows 0-15) passes a table of (address,
-    bytes) chunks, each at most _PREFETCH_CHUNK bytes and 16-byte aligned, tiling the packed tensors of the group
-    that follows it; in a recorded decode step the next such launch's weights lie in those chunks, except after the
-    loop's last pass (the table there serves the next loop). The launch for rows 16-19, and every launch with the
-    switch off, pass none."""
-    from tinyloop_hf.cuda_path import projection_successors
-
-    model = _model(variant, 4)
-    ops_cuda.link_weight_prefetch(projection_successors(model))
-    cache = PagedTinyLoopCache(model.config, capacity=64)
-    with torch.no_grad():
-        model(torch.randint(1, 256, (20, 8)), past_key_values=cache, use_cache=True)
-        for on in (False, True):
-            monkeypatch.setattr(ops_cuda, "WEIGHT_PREFETCH", on)
-            launches.clear()
-            model(torch.randint(1, 256, (20, 1)), past_key_values=cache, use_cache=True)
-            mma = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
-            first_rows = [args for args in mma if int(args[1]) == 16]  # rows 0-15 (rows 16-19: M = 4)
-            assert len(first_rows) == len(mma) // 2
-            assert all(int(args[-1]) == 0 for args in mma if int(args[1]) != 16)
-            assert any(int(args[-1]) > 0 for args in first_rows) == on
-    tables = {}
-    for group, following in projection_successors(model):
-        _, table = group[0].__dict__["_prefetch_table"]
-        tables[table.data_ptr()] = table.tolist()
-        tensors = [t for layer in following for name in ops_cuda._GEMV_TENSORS
-                   if isinstance(t := getattr(layer, name, None), torch.Tensor)]  # fmt: skip
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
-        chunks = tables[table.data_ptr()]
-        assert all(at % 16 == 0 and 0 < size <= ops_cuda._PREFETCH_CHUNK and size % 16 == 0 for at, size in chunks)
-        assert all(any(lo // 16 * 16 <= at and at + size <= hi for lo, hi in spans) for at, size in chunks)
-        # every tensor whole, from its start rounded down to 16 bytes to its end rounded down (a 16-byte tail left)
-        assert sum(size for _, size in chunks) == sum(hi // 16 * 16 - lo // 16 * 16 for lo, hi in spans)
-    # The recorded step: does each launch's table hold the next launch's first weight pointer (qweight of matrix 0)?
-    misses = []
-    for index, (current, following) in enumerate(zip(first_rows, first_rows[1:], strict=False)):
-        chunks = tables.get(int(current[-2]), [])
-        if not any(at <= int(following[3]) < at + size for at, size in chunks):
-            misses.append(index)
-    loops, per_loop = model.config.num_loops, 4 * model.config.num_loop_layers + (variant == "huginn")
-    # Llama (1 loop): none. Huginn: the last loop's last projection, whose table holds the next loop's injection
-    # while the coda comes next (the coda's last launch is the last of the step).
-    expected = [] if variant == "llama" else [4 * 1 + loops * per_loop - 1]
-    assert misses == expected
+    assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
 
 
 @pytest.mark.parametrize("batch", [1, 48])
@@ -358,7 +263,7 @@ def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
     assert torch.equal(staged_table, torch.arange(batch, dtype=torch.int32)[:, None].expand_as(staged_table))
     names = [name for _, name, *_ in launches]
     assert not any(name.startswith("rope_kv_append") for name in names)
-    qkv = [rope_arguments(name, args) for _, name, _, args, _ in launches
+    qkv = [rope_arguments(args) for _, name, _, args, _ in launches
            if name.startswith(("gemv_quant", "gemm_quant_mma")) and name.endswith(", true>")]  # fmt: skip
     assert qkv and all(int(rope[3]) == staged_k.data_ptr() and int(rope[4]) == staged_v.data_ptr() for rope in qkv)
     assert all(int(rope[5]) == staged_table.data_ptr() for rope in qkv[:1])  # the first launch starts at row 0

@@ -34,8 +34,8 @@ def test_kernel_sources_compile(file):
      ("gemm_quant_mma.cu", "gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>")],
 )  # fmt: skip
 def test_hopper_only_code_assembles(file, name):
-    """The sm_90-only code (programmatic dependent launch, common.cuh; the QKV launches' K/V prefetch,
-    rope_epilogue.cuh) through ptxas, in the two QKV instantiations."""
+    """The sm_90-only code (programmatic dependent launch, common.cuh) through ptxas, in the two QKV instantiations
+    (the RoPE epilogue, rope_epilogue.cuh)."""
     status, log = _compile(file, [name], arch="sm_90")
     assert status == 0, log
 

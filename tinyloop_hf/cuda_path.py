@@ -69,28 +69,6 @@ def capacity_bucket(tokens: int, fraction_bits: int = 3, minimum: int = MIN_CAPA
     return -(-tokens // step) * step
 
 
-def projection_successors(model: Any) -> list[tuple[list[Any], list[Any]]]:
-    """(group, the group a decode step runs next) for every projection group (QKV, O, gate/up, down of each block,
-    and a linear input injection before each loop): through the prelude, the loop (injection, then the loop block)
-    and the coda in order, except that the loop block's last group is followed by the loop's first (every loop but
-    the last). A coda's last group is followed by the first group of the step."""
-    inner = getattr(model, "model", model)  # a TinyLoopForCausalLM or a bare TinyLoopModel
-
-    def groups(blocks: Any) -> list[list[Any]]:
-        return [group for block in blocks for group in (
-            [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj], [block.self_attn.o_proj],
-            [block.mlp.gate_proj, block.mlp.up_proj], [block.mlp.down_proj])]  # fmt: skip
-
-    def followed(run: list[list[Any]], then: list[list[Any]]) -> list[tuple[list[Any], list[Any]]]:
-        """Each group of ``run`` with the next one, the last with the first of ``then``."""
-        return list(zip(run, run[1:] + then[:1], strict=False))
-
-    injection = [[inner.injection]] if getattr(inner, "injection", None) is not None else []
-    prelude, coda = groups(inner.prelude_layers), groups(inner.coda_layers)
-    loop = injection + groups(inner.loop_layers)
-    return followed(prelude, loop) + followed(loop, loop) + followed(coda, prelude + loop)
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -127,7 +105,7 @@ class _StepGraph:
 
 class CudaPath:
     def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool, run_ahead: bool = True) -> None:
-        from .kernels import ops_cuda  # registers the "cuda" ops
+        from .kernels import ops_cuda  # noqa: F401  (registers the "cuda" ops)
         from .kernels.loader import CudaPathUnavailable, check_device
 
         parameter = next(model.parameters())
@@ -154,7 +132,6 @@ class CudaPath:
         from .kernels.fused_decode import FusedDecode
 
         self.fused = FusedDecode(model)  # batch-1 decode steps as one kernel where it serves them
-        ops_cuda.link_weight_prefetch(projection_successors(model))
 
     # -- caches ------------------------------------------------------------------------------------------------------
 

@@ -276,55 +276,6 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch)
         assert any(grid[1] == batch for grid in programmatic)  # paged decode's (KV heads, rows, splits) grid
 
 
-@pytest.mark.parametrize("switch", ["KV_PREFETCH", "WEIGHT_PREFETCH"])
-@pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
-@pytest.mark.parametrize("variant", ["ouro", "huginn"])
-def test_l2_prefetches_leave_graph_replays_unchanged(variant, rows, switch, monkeypatch):
-    """KV_PREFETCH: the QKV launches ask L2 for the K/V pages their step's attention reads (bulk prefetches from
-    page numbers in the block table, before pdl_wait). WEIGHT_PREFETCH: each tensor-core projection launch asks L2
-    for the next projection's weights (chunk tables). The prefetches must touch only mapped memory (a bad address
-    faults) and change nothing: graph-replayed tokens and scores equal the eager ones without prefetch, with left
-    padding."""
-    from tinyloop_hf.kernels import ops_cuda
-
-    ids = torch.randint(1, 256, (rows, 12), generator=torch.Generator().manual_seed(7)).cuda()
-    mask = torch.ones_like(ids)
-    mask[::3, :4] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, output_scores=True,
-                  return_dict_in_generate=True)  # fmt: skip
-    want = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False).generate(ids, **kwargs)
-    monkeypatch.setattr(ops_cuda, switch, True)
-    names, captured, kernel, launch = {}, [], ops_cuda.kernel, ops_cuda.launch
-
-    def named_kernel(file, name):
-        fn = kernel(file, name)
-        names[id(fn)] = name
-        return fn
-
-    def recorded_launch(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
-        if torch.cuda.is_current_stream_capturing():
-            captured.append((names.get(id(fn), ""), args))
-        launch(fn, grid, block, args, shared_mem, dependent, cluster)
-
-    monkeypatch.setattr(ops_cuda, "kernel", named_kernel)
-    monkeypatch.setattr(ops_cuda, "launch", recorded_launch)
-    fast = _model(variant, QUANTS["int4-g32"]).use_cuda_path()
-    for _ in range(2):  # the first call captures, the second replays
-        got = fast.generate(ids, **kwargs)
-        assert torch.equal(got.sequences, want.sequences)
-        assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores, strict=True))
-    # The decode graph was captured with the prefetches on (the tensor-core kernel's last two arguments are the
-    # weight prefetch's table and count, its K/V flag is third from the end; the GEMV's K/V flag is its last).
-    mma = [args for name, args in captured if name.startswith("gemm_quant_mma")]
-    if switch == "KV_PREFETCH":
-        qkv = [args for name, args in captured if name.startswith(("gemv_quant", "gemm_quant_mma"))
-               and name.endswith(", true>")]  # fmt: skip
-        flag = -3 if rows > 1 else -1
-        assert qkv and all(int(args[flag]) == 1 for args in qkv)
-    elif rows > 1:
-        assert any(int(args[-1]) > 0 for args in mma)
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("rows", [20, 1])  # the tensor-core kernel (16 rows per launch); the CUDA-core GEMV
 @pytest.mark.parametrize("variant", ["llama", "huginn"])  # rotate_half; interleaved RoPE with q/k biases
