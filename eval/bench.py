@@ -176,12 +176,15 @@ def gemv_timing(
     layer = layer.cuda()
     weight_bytes = sum(t.numel() * t.element_size() for t in layer.packed().tensors().values())
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = 1 if from_l2 else math.ceil(2 * l2_bytes / weight_bytes) + 1
-    layers = [layer] + [copy.deepcopy(layer) for _ in range(copies - 1)]
+
+    def copies(operand_bytes: int) -> int:
+        """Operand copies the timed calls cycle through: past twice the L2 cache, or one (``from_l2``)."""
+        return 1 if from_l2 else math.ceil(2 * l2_bytes / operand_bytes) + 1
+
+    layers = [layer] + [copy.deepcopy(layer) for _ in range(copies(weight_bytes) - 1)]
     x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
-    bf16_copies = 1 if from_l2 else math.ceil(2 * l2_bytes / (2 * out_features * in_features)) + 1
     bf16 = [torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16) * 0.02
-            for _ in range(bf16_copies)]  # fmt: skip
+            for _ in range(copies(2 * out_features * in_features))]  # fmt: skip
 
     def graph_seconds(call: Any, operands: list) -> float:
         for operand in operands:

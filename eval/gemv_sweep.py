@@ -1,6 +1,6 @@
 """Low-bit projection timings on the Ouro-1.4B layer shapes (and 16384²) for a few token-row counts, against cuBLAS
 bf16 on the same shape; every call reads HBM (weight copies rotate past the L2 cache), or with --from-l2 the same
-copy again (what a prefetch of the weights into L2 could at best buy).
+copy again (how fast a projection is once its weights are on chip).
 
     python -m tinyloop_hf.eval.gemv_sweep --bits 4 --rows 1 4 16
     python -m tinyloop_hf.eval.gemv_sweep --rows 16 --from-l2

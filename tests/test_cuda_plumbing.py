@@ -35,6 +35,12 @@ def declared_parameters(file: str, kernel: str) -> int:
     raise AssertionError(f"unterminated parameter list of {kernel}")
 
 
+def junction_arguments(args: tuple) -> tuple:
+    """A gemv_quant launch's 7 junction-prologue arguments (jx, jbranch, jw_branch, jw_next, jsum, eps, mode): the
+    ones before its 12 RoPE-epilogue arguments."""
+    return args[-19:-12]
+
+
 def rope_arguments(args: tuple) -> tuple:
     """A QKV launch's 12 RoPE-epilogue arguments (cos, sin, q, K pages, V pages, block table, positions,
     max_blocks, Hq, Hkv, D, layout): the last ones of gemv_quant and of the tensor-core kernel."""
@@ -143,7 +149,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     block = ["gemv_quant", "paged_decode", "gemv_quant", "gemv_quant", "gemv_quant"]
     loop = ["rms_norm", *block * model.config.num_loop_layers, "residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
-    junction_of = lambda launch: launch[3][-19:-12]  # jx, jbranch, jw_branch, jw_next, jsum, eps, mode  # noqa: E731
+    junction_of = lambda launch: junction_arguments(launch[3])  # noqa: E731
     rope_of = lambda launch: rope_arguments(launch[3])  # noqa: E731
     first_qkv, second_qkv = launches[1], launches[1 + len(block)]
     assert all(int(a) == 0 for a in junction_of(first_qkv)[:5])  # the first block's QKV launch has no junction
@@ -175,7 +181,7 @@ def test_rope_epilogue_switch_holds_with_the_junction_prologue(launches, monkeyp
     model, _ = _ouro_decode_step(launches)
     names = [name for _, name, *_ in launches]
     qkv = [launch for launch in launches if launch[1].startswith("gemv_quant") and int(launch[3][20]) != 0]  # N2
-    assert any(int(launch[3][-19]) != 0 for launch in qkv)  # a QKV launch with the junction prologue
+    assert any(int(junction_arguments(launch[3])[0]) != 0 for launch in qkv)  # a QKV launch with the prologue
     assert not any(name.startswith("gemv_quant") and name.endswith(", true>") for name in names)
     assert sum(name.startswith("rope_kv_append") for name in names) == len(qkv)
 
@@ -192,7 +198,7 @@ def test_programmatic_launches_keep_the_junctions_in_their_own_kernel(launches, 
     loop += ["residual_norm", *attention, *mlp] * (model.config.num_loop_layers - 1) + ["residual_norm", "rms_norm"]
     assert kernels[: len(loop)] == loop
     gemvs = [launch for launch in launches if launch[1].startswith("gemv_quant")]
-    assert all(int(a) == 0 for launch in gemvs for a in launch[3][-19:-14])  # no junction prologue anywhere
+    assert all(int(a) == 0 for launch in gemvs for a in junction_arguments(launch[3])[:5])  # no prologue anywhere
     assert gemvs[0][1].endswith(", true>") and ", true, " in gemvs[2][1]  # RoPE epilogue; SwiGLU in gate/up
 
 
