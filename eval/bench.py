@@ -238,7 +238,7 @@ def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, nargs="+", default=[128])
@@ -246,14 +246,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 4], choices=[16, 8, 4, 2])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--peers", nargs="*", default=["eager", "compile"], choices=["eager", "compile"])
-    parser.add_argument("--peer-batches", type=int, nargs="*", default=None, help="batches for peers (default all)")
+    # A bare --peers used to parse as "no peers" and dropped the HF rows without a word: a peer list is required.
+    peers = parser.add_mutually_exclusive_group()
+    peers.add_argument(
+        "--peers",
+        nargs="+",
+        default=["eager", "compile"],
+        choices=["eager", "compile"],
+        help="HF peers measured in the same run (default: eager compile)",
+    )
+    peers.add_argument(
+        "--no-peers",
+        dest="peers",
+        action="store_const",
+        const=[],
+        help="no HF peer rows (the table then has no ratios)",
+    )
+    parser.add_argument("--peer-batches", type=int, nargs="+", default=None, help="batches for peers (default all)")
     parser.add_argument("--out", type=Path, default=Path("bench"))
     parser.add_argument("--baseline", type=Path, help="regression check against this JSON (exit 1 below tolerance)")
     parser.add_argument("--tolerance", type=float, default=0.8)
     parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
     parser.add_argument("--no-run-ahead", action="store_true", help="greedy decode steps wait for generate()'s host")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("tinyloop-bench needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from tinyloop_hf.eval.bench import (
     kv_bytes_per_token,
     markdown,
     ouro_config,
+    parse_args,
     quant_config,
     regression_check,
     weight_bytes,
@@ -33,6 +34,17 @@ ROWS = [
     {"impl": "hf-compile", "bits": 16, "loops": 4, "context": 128, "batch": 1, "ttft_ms": 20.0,
      "prefill_tok_s": 6400.0, "decode_tok_s": 50.0, "peak_vram_gib": 3.0},
 ]  # fmt: skip
+
+
+def test_peer_flags_never_drop_the_hf_rows_silently(capsys):
+    """A bare --peers once parsed as an empty list, so a run meant to measure the HF peers measured none."""
+    assert parse_args([]).peers == ["eager", "compile"]
+    assert parse_args(["--peers", "eager"]).peers == ["eager"]
+    assert parse_args(["--no-peers"]).peers == []
+    for argv in (["--peers"], ["--peer-batches"], ["--peers", "eager", "--no-peers"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--peer" in capsys.readouterr().err
 
 
 def test_table_reports_ratios_against_both_peers_and_weight_memory():
