@@ -464,38 +464,37 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         }
     };
 
-    // Norm weights of the next junctions, loaded a phase ahead (the branch norm of the previous application, the
-    // final norm at a loop's end, and this application's input norm).
-    uint4 w_prev_branch, w_final, w_next, w_gate, w_attn_branch, w_post;
+    // A junction's norm weights (the thread's 8 columns) are loaded just before the poll that starts its phase, whose
+    // wait hides their latency; not a phase ahead, which kept 24 registers live through the projections' loops.
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-    w_prev_branch = w_final = w_gate = w_attn_branch = w_post = zero4;
-    w_next = owned ? load_vec(P.apps_table[0].norm[0], vec) : zero4;
+    auto norm_weight = [&](const void* w) { return owned ? load_vec(w, vec) : zero4; };
 
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
-        const int flags = __ldg(&app->flags);
         traced_app = a;
         mark(0);
         // ================= P1: junction, QKV projection, RoPE, K/V append =================
         {
             float v[8];
+            const uint4 w_input = norm_weight(ldg_ptr(&app->norm[0]));
             if (a == 0) {
                 if (owned) unpack8_as_float<T>(reinterpret_cast<const uint4*>(hidden_in)[vec], v);
             } else {
-                poll_vec(P.down_ll, seq_of(epoch, apps, a - 1, PH_DOWN), v);
-                junction(v, w_prev_branch);
                 const App* prev = app - 1;
-                if (__ldg(&prev->flags) & LOOP_END) {
+                const bool loop_end = __ldg(&prev->flags) & LOOP_END;  // the final norm and the exit gate follow
+                const uint4 w_branch = norm_weight(ldg_ptr(&prev->norm[3]));
+                const uint4 w_final = loop_end && P.final_every_loop ? norm_weight(P.final_w) : zero4;
+                const uint4 w_gate = loop_end ? norm_weight(P.gate_w) : zero4;
+                poll_vec(P.down_ll, seq_of(epoch, apps, a - 1, PH_DOWN), v);
+                junction(v, w_branch);
+                if (loop_end) {
                     if (P.final_every_loop) normalize<T>(v, owned, w_final, H, eps, red, turn);
                     exit_gate(v, w_gate, __ldg(&prev->loop));
                 }
             }
             store_x(v);
-            normalize<T>(v, owned, w_next, H, eps, red, turn);
+            normalize<T>(v, owned, w_input, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            // The next junction's norm weights (P4), loaded while this phase runs.
-            w_attn_branch = owned ? load_vec(ldg_ptr(&app->norm[1]), vec) : zero4;
-            w_post = owned ? load_vec(ldg_ptr(&app->norm[2]), vec) : zero4;
             consumers_sync();  // the stage
             mark(1);
             wait_slot(a, 0);
@@ -713,18 +712,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         // ================= P4: junction, gate/up projections, SwiGLU =================
         {
             float v[8];
+            const uint4 w_branch = norm_weight(ldg_ptr(&app->norm[1])), w_post = norm_weight(ldg_ptr(&app->norm[2]));
             poll_vec(P.o_ll, seq_of(epoch, apps, a, PH_O), v);
-            junction(v, w_attn_branch);
+            junction(v, w_branch);
             store_x(v);
             normalize<T>(v, owned, w_post, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            // The next P1's norm weights: this application's MLP-branch norm, the next one's input norm.
-            w_prev_branch = owned ? load_vec(ldg_ptr(&app->norm[3]), vec) : zero4;
-            if (flags & LOOP_END || a + 1 == apps) {  // the final norm and the exit gate follow this application
-                w_final = owned ? load_vec(P.final_w, vec) : zero4;
-                w_gate = owned ? load_vec(P.gate_w, vec) : zero4;
-            }
-            if (a + 1 < apps) w_next = owned ? load_vec(ldg_ptr(&(app + 1)->norm[0]), vec) : zero4;
             consumers_sync();
             mark(9);
             wait_slot(a, 2);
@@ -784,8 +777,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     if (cta != 0) return;
     const App* last = P.apps_table + apps - 1;
     float v[8];
+    const uint4 w_branch = norm_weight(ldg_ptr(&last->norm[3])), w_final = norm_weight(P.final_w);
+    const uint4 w_gate = norm_weight(P.gate_w);
     poll_vec(P.down_ll, seq_of(epoch, apps, apps - 1, PH_DOWN), v);
-    junction(v, w_prev_branch);
+    junction(v, w_branch);
     if (P.final_every_loop) normalize<T>(v, owned, w_final, H, eps, red, turn);
     exit_gate(v, w_gate, __ldg(&last->loop));
     if (P.final_end) normalize<T>(v, owned, w_final, H, eps, red, turn);
