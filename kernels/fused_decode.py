@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 # Off by default: correct (bit-identical logits to the per-op path in bf16 on the H200) but not faster. H200,
-# Ouro-1.4B shape, INT4, L = 4, batch 1, graph replay: 3.32-3.34 ms against 2.76 per-op. Its structure alone (six LL
-# hand-offs per layer application, no math, weights or attention; timing only) takes 1.38 ms, and the weight stream
-# and the projections' math add ~2 ms more (eval/results/BENCH.md, twentieth session). On for experiments:
-# ``fused_decode.FUSED_DECODE = True``.
+# Ouro-1.4B shape, INT4, L = 4, batch 1, graph replay: 2.99 ms against 2.76 per-op. Its structure alone (six LL
+# hand-offs per layer application, no math, weights or attention; timing only) takes 1.38 ms; the weight stream and
+# the projections' math (spilling at the 128-register cap) add the rest (eval/results/BENCH.md, twentieth session).
+# On for experiments: ``fused_decode.FUSED_DECODE = True``.
 FUSED_DECODE = False
 CHUNK_BYTES = 16 * 1024  # a TMA batch: about this many bytes per ring mbarrier
 INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow every poll and barrier)
