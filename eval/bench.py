@@ -268,7 +268,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=0.8)
     parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
     parser.add_argument("--no-run-ahead", action="store_true", help="greedy decode steps wait for generate()'s host")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.baseline is not None:  # checked before minutes of measuring, not after
+        reason = baseline_problem(args.baseline)
+        if reason:
+            parser.error(f"--baseline {args.baseline}: {reason}")
+    return args
+
+
+def baseline_problem(path: Path) -> str | None:
+    """Why ``path`` cannot serve as a regression baseline (a tinyloop-bench JSON with rows), or None."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except OSError as error:
+        return f"cannot be read ({error.strerror})"
+    except (ValueError, KeyError, TypeError):
+        return "is not a tinyloop-bench JSON file (a JSON object with a 'rows' list)"
+    key = ("impl", "bits", "loops", "context", "batch", "decode_tok_s")
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and all(k in row for k in key) for row in rows):
+        return f"its 'rows' are not tinyloop-bench rows (each needs {', '.join(key)})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

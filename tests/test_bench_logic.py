@@ -12,6 +12,7 @@ import torch
 from helpers import tiny_model
 from tinyloop_hf import PagedTinyLoopCache, QuantEmbedding, QuantLinear, TinyLoopForCausalLM
 from tinyloop_hf.cuda_path import capacity_bucket
+from tinyloop_hf.eval import bench as bench_module
 from tinyloop_hf.eval.bench import (
     build_ours,
     kv_bytes_per_token,
@@ -45,6 +46,23 @@ def test_peer_flags_never_drop_the_hf_rows_silently(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert "--peer" in capsys.readouterr().err
+
+
+def test_a_bad_baseline_is_refused_before_anything_is_measured(tmp_path, capsys):
+    """--baseline /dev/null once ran the whole bench and then died in json.loads with a traceback."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"rows": ROWS}))
+    assert parse_args(["--baseline", str(good)]).baseline == good
+    empty, no_rows, odd_rows = tmp_path / "empty.json", tmp_path / "no_rows.json", tmp_path / "odd.json"
+    empty.write_text("")
+    no_rows.write_text(json.dumps({"extras": {}}))
+    odd_rows.write_text(json.dumps({"rows": [{"impl": "x"}]}))
+    for path, reason in ((empty, "not a tinyloop-bench JSON"), (no_rows, "not a tinyloop-bench JSON"),
+                         (odd_rows, "decode_tok_s"), (tmp_path / "missing.json", "cannot be read")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--baseline", str(path)])
+        assert f"--baseline {path}" in capsys.readouterr().err
+        assert reason in bench_module.baseline_problem(path)
 
 
 def test_table_reports_ratios_against_both_peers_and_weight_memory():
