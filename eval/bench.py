@@ -269,24 +269,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
     parser.add_argument("--no-run-ahead", action="store_true", help="greedy decode steps wait for generate()'s host")
     args = parser.parse_args(argv)
-    if args.baseline is not None:  # checked before minutes of measuring, not after
-        reason = baseline_problem(args.baseline)
-        if reason:
-            parser.error(f"--baseline {args.baseline}: {reason}")
+    # The baseline is read once, before minutes of measuring: a bad file fails now, and a baseline that the run's own
+    # JSON overwrites (--out at the same path) is still the old rows when the check runs.
+    args.baseline_rows = None
+    if args.baseline is not None:
+        try:
+            args.baseline_rows = load_baseline(args.baseline)
+        except ValueError as error:
+            parser.error(f"--baseline {args.baseline}: {error}")
     return args
 
 
-def baseline_problem(path: Path) -> str | None:
-    """Why ``path`` cannot serve as a regression baseline (a tinyloop-bench JSON with rows), or None."""
+def load_baseline(path: Path) -> list[dict]:
+    """The rows of a tinyloop-bench JSON, or ValueError saying why ``path`` cannot serve as a regression baseline."""
     try:
         rows = json.loads(path.read_text())["rows"]
     except OSError as error:
-        return f"cannot be read ({error.strerror})"
-    except (ValueError, KeyError, TypeError):
-        return "is not a tinyloop-bench JSON file (a JSON object with a 'rows' list)"
+        raise ValueError(f"cannot be read ({error.strerror})") from error
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError("is not a tinyloop-bench JSON file (a JSON object with a 'rows' list)") from error
     key = ("impl", "bits", "loops", "context", "batch", "decode_tok_s")
     if not isinstance(rows, list) or not all(isinstance(row, dict) and all(k in row for k in key) for row in rows):
-        return f"its 'rows' are not tinyloop-bench rows (each needs {', '.join(key)})"
+        raise ValueError(f"its 'rows' are not tinyloop-bench rows (each needs {', '.join(key)})")
+    return rows
+
+
+def baseline_problem(path: Path) -> str | None:
+    """Why ``path`` cannot serve as a regression baseline, or None."""
+    try:
+        load_baseline(path)
+    except ValueError as error:
+        return str(error)
     return None
 
 
@@ -391,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(table)
     plot(rows, args.out.with_suffix(".png"))
-    return regression_check(rows, args.baseline, args.tolerance, extras.get("skipped", [])) if args.baseline else 0
+    if args.baseline is None:
+        return 0
+    return regression_check(rows, args.baseline, args.tolerance, extras.get("skipped", []), args.baseline_rows)
 
 
 def _peer_rate(rows: list[dict], row: dict, impl: str) -> float | None:
@@ -463,11 +478,17 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def regression_check(rows: list[dict], baseline_path: Path, tolerance: float, skipped: list[dict] = ()) -> int:
+def regression_check(
+    rows: list[dict],
+    baseline_path: Path,
+    tolerance: float,
+    skipped: list[dict] = (),
+    baseline: list[dict] | None = None,
+) -> int:
     """1 when a tinyloop row decodes below ``tolerance`` x its baseline, or could not run at all (``skipped``: out of
     memory). The HF peers' rows are compared too but only reported: they measure the machine (HF eager decode is bound
-    by the host's Python speed), not this package."""
-    baseline = json.loads(baseline_path.read_text())["rows"]
+    by the host's Python speed), not this package. ``baseline``: its rows as read before the run (else read now)."""
+    baseline = load_baseline(baseline_path) if baseline is None else baseline
     key = ("impl", "bits", "loops", "context", "batch")
     failures, peer_drift = [], []
     for old in baseline:
