@@ -301,6 +301,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     __shared__ float red[64];
     __shared__ unsigned units_s[MAX_UNITS];
     __shared__ float angles[2][128];  // cos, sin of the step's position (D <= 256)
+    // The step's row length, first attended token, position and its page: read when needed, not kept in registers.
+    __shared__ int step_s[4];
+    __shared__ unsigned epoch_s;  // this launch's epoch, as read at its start (the last CTA 0 thread increments it)
 
     const int cta = blockIdx.x;
     // Params and this CTA's Work into shared memory.
@@ -320,8 +323,16 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         angles[0][i] = rope_cos[i];
         angles[1][i] = rope_sin[i];
     }
+    if (threadIdx.x == 0) {
+        const int position = __ldcg(P.positions);
+        step_s[0] = __ldcg(P.lengths);
+        step_s[1] = __ldcg(P.starts);
+        step_s[2] = position;
+        step_s[3] = __ldcg(P.block_table + position / 16);
+        epoch_s = __ldcg(P.epoch);
+    }
     __syncthreads();  // the last block-wide barrier: from here on the producer warp and the consumers run apart
-    const int apps = P.apps;
+    const int& apps = P.apps;
 
     if (threadIdx.x < 32) {
         // ---- producer: stream every application's weight share, slot by slot, throttled ----
@@ -356,23 +367,22 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
 
     // ---- consumers ----
     const int ct = threadIdx.x - 32, cwarp = ct >> 5, lane = ct & 31;
-    const int H = P.H, F = P.F, Hq = P.Hq, Hkv = P.Hkv, Gq = P.Gq, S = P.S;
-    const float eps = P.eps;
-    const unsigned epoch = __ldcg(P.epoch);
-    T* xres = reinterpret_cast<T*>(smem + P.xres);    // this CTA's copy of the residual stream
-    T* stage = reinterpret_cast<T*>(smem + P.stage);  // the staged GEMV input (swizzled)
-    float* partials = reinterpret_cast<float*>(smem + P.partials);
+    // Shapes are read from the shared Params where used (references, not register copies live through the loop).
+    const int &H = P.H, &F = P.F, &Hq = P.Hq, &Hkv = P.Hkv, &Gq = P.Gq, &S = P.S;
+    const float& eps = P.eps;
+    const unsigned& epoch = epoch_s;
+    // Regions of dynamic shared memory, addressed from the Params' offsets where used: this CTA's copy of the residual
+    // stream, the staged GEMV input (swizzled) and the down projection's K-split partial sums.
+    auto xres = [&] { return reinterpret_cast<T*>(smem + P.xres); };
+    auto stage = [&] { return reinterpret_cast<T*>(smem + P.stage); };
+    auto partials = [&] { return reinterpret_cast<float*>(smem + P.partials); };
     int turn = 0;
     const int vec = ct;  // the junction's 8 columns of this thread
     const bool owned = vec * 8 < H;
-    const int length = __ldcg(P.lengths), start = __ldcg(P.starts), position = __ldcg(P.positions);
-    const int page = __ldcg(P.block_table + position / 16);
-    const int bpa = W.batches_per_app;
-    unsigned long long* const trace = P.trace;
-    int traced_app = 0;
-    // A timestamp of this CTA at point k of the current application (tests and eval scripts only).
-    auto mark = [&](int k) {
-        if (trace != nullptr && ct == 0) trace[(static_cast<long long>(traced_app) * 16 + k) * gridDim.x + cta] = clock64();
+    const int& bpa = W.batches_per_app;
+    // A timestamp of this CTA at point k of application a (tests and eval scripts only).
+    auto mark = [&](int a, int k) {
+        if (ct == 0 && P.trace != nullptr) P.trace[(static_cast<long long>(a) * 16 + k) * gridDim.x + cta] = clock64();
     };
 
     auto wait_slot = [&](int a, int s) {
@@ -387,7 +397,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         if (ct == 0) mbar_arrive(&empty[s]);
     };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
-    auto stage_vec = [&](int v, const float (&x)[8]) { reinterpret_cast<uint4*>(stage)[swizzle(v)] = pack8<T>(x); };
+    auto stage_vec = [&](int v, const float (&x)[8]) { reinterpret_cast<uint4*>(stage())[swizzle(v)] = pack8<T>(x); };
     // A 16-byte LL vector of n values polled into the stage (word k: values 4k .. 4k + 3), up to STAGE_WORDS words
     // per thread in flight together.
     auto poll_to_stage = [&](const uint4* ll, int n, unsigned seq) {
@@ -406,7 +416,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         for (int i = 0; i < STAGE_WORDS; ++i) {
             const int k = ct + i * CONSUMERS;
             if (i < count)
-                reinterpret_cast<uint2*>(reinterpret_cast<uint4*>(stage) + swizzle(k / 2))[k & 1] = payload[i];
+                reinterpret_cast<uint2*>(reinterpret_cast<uint4*>(stage()) + swizzle(k / 2))[k & 1] = payload[i];
         }
     };
     // The thread's 8 values of a 16-byte LL vector (2 words).
@@ -425,10 +435,10 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         }
     };
     auto load_x = [&](float (&x)[8]) {
-        if (owned) unpack8_as_float<T>(reinterpret_cast<const uint4*>(xres)[vec], x);
+        if (owned) unpack8_as_float<T>(reinterpret_cast<const uint4*>(xres())[vec], x);
     };
     auto store_x = [&](const float (&x)[8]) {
-        if (owned) reinterpret_cast<uint4*>(xres)[vec] = pack8<T>(x);
+        if (owned) reinterpret_cast<uint4*>(xres())[vec] = pack8<T>(x);
     };
     // The residual junction (norm.cuh's junction_row): v (the branch) becomes the new residual stream.
     auto junction = [&](float (&v)[8], const uint4& w_branch) {
@@ -447,7 +457,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             }
         }
     };
-    const float gate_bias = P.gate_b == nullptr || cta != 0 ? 0.0f : to_float(*static_cast<const T*>(P.gate_b));
     // The exit gate's logit of the loop that just ended (CTA 0): T(sum x * w + b).
     auto exit_gate = [&](const float (&x)[8], const uint4& w_bits, int loop) {
         if (P.gate_w == nullptr || cta != 0) return;
@@ -460,7 +469,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         }
         dot = consumers_sum(dot, red, turn);
         if (ct == 0) {
-            static_cast<T*>(P.gates_out)[loop] = from_float<T>(dot + gate_bias);
+            const float bias = P.gate_b == nullptr ? 0.0f : to_float(*static_cast<const T*>(P.gate_b));
+            static_cast<T*>(P.gates_out)[loop] = from_float<T>(dot + bias);
         }
     };
 
@@ -471,8 +481,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
 
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
-        traced_app = a;
-        mark(0);
+        mark(a, 0);
         // ================= P1: junction, QKV projection, RoPE, K/V append =================
         {
             float v[8];
@@ -496,9 +505,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             normalize<T>(v, owned, w_input, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
             consumers_sync();  // the stage
-            mark(1);
+            mark(a, 1);
             wait_slot(a, 0);
-            mark(2);
+            mark(a, 2);
             const Slot& slot = P.slot[0];
             const unsigned seq = seq_of(epoch, apps, a, PH_QKV);
             T* k_pages = static_cast<T*>(ldg_ptr(&app->k_pages));
@@ -514,7 +523,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     lrow[2 * u + 1] = rows >> 16;
                 }
                 float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage, 0, chunks, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
+                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, chunks, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
                 if (lane < n) {  // lane u finishes unit j0 + u
                     const int unit = W.unit0 + j0 + lane;
                     float first = lane == 0 ? acc[0] : acc[2], second = lane == 0 ? acc[1] : acc[3];
@@ -539,7 +548,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                         const bool is_k = which_head < Hq + Hkv;
                         const int kvh = which_head - (is_k ? Hq : Hq + Hkv);
                         T* pages = is_k ? k_pages : v_pages;
-                        const long long slot_index = (static_cast<long long>(page) * Hkv + kvh) * 16 + position % 16;
+                        const long long slot_index =
+                            (static_cast<long long>(step_s[3]) * Hkv + kvh) * 16 + step_s[2] % 16;
                         pages[slot_index * D + d0] = t0;
                         pages[slot_index * D + d1] = t1;
                         uint2* ll = (is_k ? P.k_ll : P.v_ll) + kvh * D;
@@ -549,17 +559,18 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             release_slot(0);
-            mark(3);
+            mark(a, 3);
         }
         // ================= P2: attention (one KV head and split per CTA), the split merge =================
         if (cta < Hkv * S) {
             constexpr int per_token = D / 8, subs = CONSUMERS / per_token;
             const int h = cta / S, split = cta % S;
+            const int length = step_s[0], start = step_s[1];
             const int span = (length + S - 1) / S, t0 = split * span;
             const int n = max(0, min(length, t0 + span) - t0);
             const int sub = ct / per_token, offset = (ct % per_token) * 8;
             const bool in_sub = sub < subs;
-            float* q_s = reinterpret_cast<float*>(stage);  // [Gq][D], pre-scaled
+            float* q_s = reinterpret_cast<float*>(stage());  // [Gq][D], pre-scaled
             float* k_new = q_s + Gq * D;                   // [D]
             float* v_new = k_new + D;                      // [D]
             float* warp_o = v_new + D;                     // [CWARPS][Gq][D]
@@ -603,7 +614,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     count += i < Gq * D + 2 * D;
                 }
                 ll_wait_n<WORDS>(ptrs, count, seq, bits);
-                mark(4);
+                mark(a, 4);
 #pragma unroll
                 for (int w = 0; w < WORDS; ++w) {
                     const int i = ct + w * CONSUMERS;
@@ -650,7 +661,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 // The merge of the head's splits. First every split's state into shared memory (a thread per split,
                 // query vector and 4 dims: its 6 words in flight together), then 4 output dims per thread.
                 consumers_sync();  // warp_o / warp_ml have been read: the stage's front is free
-                float* o_s = reinterpret_cast<float*>(stage);  // [Gq][S][D]
+                float* o_s = reinterpret_cast<float*>(stage());  // [Gq][S][D]
                 float* ml_s = o_s + Gq * S * D;                // [Gq][S][2]
                 constexpr int QUADS = D / 4;
                 for (int idx = ct; idx < Gq * S * QUADS; idx += CONSUMERS) {
@@ -687,27 +698,27 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             consumers_sync();  // the stage (q_s, warp states) is reused by P3
-            mark(5);
+            mark(a, 5);
         }
         // ================= P3: O projection =================
         {
             poll_to_stage(P.attn_ll, Hq * D, seq_of(epoch, apps, a, PH_ATTN));
             consumers_sync();
-            mark(6);
+            mark(a, 6);
             wait_slot(a, 1);
-            mark(7);
+            mark(a, 7);
             const Slot& slot = P.slot[1];
             const unsigned seq = seq_of(epoch, apps, a, PH_O);
             for (int q = cwarp; q < W.o_quads; q += CWARPS) {
                 const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
                 float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage, 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
+                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
                                 acc);
                 if (lane == 0)
                     ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
             }
             release_slot(1);
-            mark(8);
+            mark(a, 8);
         }
         // ================= P4: junction, gate/up projections, SwiGLU =================
         {
@@ -719,16 +730,16 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             normalize<T>(v, owned, w_post, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
             consumers_sync();
-            mark(9);
+            mark(a, 9);
             wait_slot(a, 2);
-            mark(10);
+            mark(a, 10);
             const Slot& slot = P.slot[2];
             const unsigned seq = seq_of(epoch, apps, a, PH_H);
             for (int q = cwarp; q < W.g_quads; q += CWARPS) {
                 const int lrow[8] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3, slot.rows_cap + 4 * q,
                                      slot.rows_cap + 4 * q + 1, slot.rows_cap + 4 * q + 2, slot.rows_cap + 4 * q + 3};
                 float acc[8];
-                smem_dots<T, 8>(smem, slot, lrow, stage, 0, H / 32, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
+                smem_dots<T, 8>(smem, slot, lrow, stage(), 0, H / 32, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
                 if (lane == 0) {
                     float y[4];
 #pragma unroll
@@ -740,15 +751,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 }
             }
             release_slot(2);
-            mark(11);
+            mark(a, 11);
         }
         // ================= P5: down projection (K split in parts of 64 chunks) =================
         {
             poll_to_stage(P.h_ll, F, seq_of(epoch, apps, a, PH_H));
             consumers_sync();
-            mark(12);
+            mark(a, 12);
             wait_slot(a, 3);
-            mark(13);
+            mark(a, 13);
             const Slot& slot = P.slot[3];
             const int chunks = F / 32, parts = (chunks + 63) / 64;
             const int tasks = W.d_quads * parts;
@@ -756,9 +767,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 const int q = task / parts, part = task % parts;
                 const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
                 float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage, part * 64, min(chunks, part * 64 + 64), P.midpoint,
+                smem_dots<T, 4>(smem, slot, lrow, stage(), part * 64, min(chunks, part * 64 + 64), P.midpoint,
                                 P.scale_bf16, slot.zeros != 0, acc);
-                if (lane < 4) partials[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+                if (lane < 4) partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
             }
             consumers_sync();
             const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
@@ -766,11 +777,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 for (int part = 0; part < parts; ++part)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) y[i] += partials[(ct * parts + part) * 4 + i];
+                    for (int i = 0; i < 4; ++i) y[i] += partials()[(ct * parts + part) * 4 + i];
                 ll_store16(P.down_ll + W.d_quad0 + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
             }
             release_slot(3);
-            mark(14);
+            mark(a, 14);
         }
     }
     // ================= the last junction and final norm (CTA 0) =================
