@@ -100,6 +100,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
     parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
+    parser.add_argument("--fused-threads", type=int, choices=(384, 512),
+                        help="threads of the fused kernel's CTAs (384: 168 registers, no spills; 512: 128)")
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
@@ -119,13 +121,21 @@ def apply_switches(args: argparse.Namespace) -> None:
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
-    patch_sources(args.without)
+    patches = list(args.without)
+    if args.fused_threads and args.fused_threads != fused_decode.THREADS:
+        WITHOUT[f"fused-{args.fused_threads}-threads"] = [
+            ("fused_decode.cu", f"constexpr int THREADS = {fused_decode.THREADS};",
+             f"constexpr int THREADS = {args.fused_threads};")]  # fmt: skip
+        patches.append(f"fused-{args.fused_threads}-threads")
+        fused_decode.THREADS, fused_decode.CONSUMERS = args.fused_threads, args.fused_threads - 32
+    patch_sources(patches)
 
 
 def switches_label(args: argparse.Namespace, model: Any) -> str:
     """What the switches turned on, as a suffix for the result line."""
     label = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     label += ", fused decode kernel" if model._cuda_path.fused.steps else ""
+    label += f" ({fused_decode.THREADS} threads)" if model._cuda_path.fused.steps else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""

@@ -24,6 +24,8 @@ namespace fused {
 constexpr int THREADS = 512;
 constexpr int CONSUMERS = THREADS - 32;  // warps 1..15
 constexpr int CWARPS = CONSUMERS / 32;
+// QKV pair units per warp task: 2 (4 rows) while a CTA's ~24 units fit in one task per warp, else 3 (6 rows).
+constexpr int QKV_UNITS = CWARPS >= 12 ? 2 : 3;
 constexpr int RING = 128;          // batch mbarriers, reused cyclically (the host keeps batches per app <= RING / 2)
 constexpr int MAX_TASKS = 64;      // GEMV tasks of one phase of one CTA (partial sums in shared memory)
 constexpr int MAX_UNITS = 128;     // QKV pair units of one CTA
@@ -513,20 +515,29 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             T* k_pages = static_cast<T*>(ldg_ptr(&app->k_pages));
             T* v_pages = static_cast<T*>(ldg_ptr(&app->v_pages));
             const int half = D / 2, chunks = H / 32;
-            for (int task = cwarp; 2 * task < W.units; task += CWARPS) {
-                const int j0 = 2 * task, n = min(2, W.units - j0);
-                int lrow[4];
+            constexpr int U = QKV_UNITS;
+            for (int task = cwarp; U * task < W.units; task += CWARPS) {
+                const int j0 = U * task, n = min(U, W.units - j0);
+                int lrow[2 * U];
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
+                for (int u = 0; u < U; ++u) {
                     const unsigned rows = units_s[j0 + min(u, n - 1)];
                     lrow[2 * u] = rows & 0xFFFF;
                     lrow[2 * u + 1] = rows >> 16;
                 }
-                float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, chunks, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
+                float acc[2 * U];
+                smem_dots<T, 2 * U>(smem, slot, lrow, stage(), 0, chunks, P.midpoint, P.scale_bf16, slot.zeros != 0,
+                                    acc);
                 if (lane < n) {  // lane u finishes unit j0 + u
                     const int unit = W.unit0 + j0 + lane;
-                    float first = lane == 0 ? acc[0] : acc[2], second = lane == 0 ? acc[1] : acc[3];
+                    float first = acc[0], second = acc[1];
+#pragma unroll
+                    for (int u = 1; u < U; ++u) {  // selects, not a dynamically indexed (local memory) array
+                        if (lane == u) {
+                            first = acc[2 * u];
+                            second = acc[2 * u + 1];
+                        }
+                    }
                     const int heads_pairs = half;  // pairs per head
                     const int which_head = unit / heads_pairs, p = unit % heads_pairs;
                     const int d0 = P.rope_interleaved ? 2 * p : p, d1 = P.rope_interleaved ? 2 * p + 1 : p + half;
@@ -753,7 +764,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             release_slot(2);
             mark(a, 11);
         }
-        // ================= P5: down projection (K split in parts of 64 chunks) =================
+        // ================= P5: down projection (K split in parts of 64 chunks, or longer parts where the CTA's
+        // rows would otherwise give a warp two tasks) =================
         {
             poll_to_stage(P.h_ll, F, seq_of(epoch, apps, a, PH_H));
             consumers_sync();
@@ -761,13 +773,18 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             wait_slot(a, 3);
             mark(a, 13);
             const Slot& slot = P.slot[3];
-            const int chunks = F / 32, parts = (chunks + 63) / 64;
-            const int tasks = W.d_quads * parts;
+            const int chunks = F / 32;
+            int span = 64;
+            if (W.d_quads * ((chunks + span - 1) / span) > CWARPS && W.d_quads <= CWARPS) {
+                const int parts_that_fit = CWARPS / W.d_quads;
+                span = (chunks + parts_that_fit - 1) / parts_that_fit;
+            }
+            const int parts = (chunks + span - 1) / span, tasks = W.d_quads * parts;
             for (int task = cwarp; task < tasks; task += CWARPS) {
                 const int q = task / parts, part = task % parts;
                 const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
                 float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage(), part * 64, min(chunks, part * 64 + 64), P.midpoint,
+                smem_dots<T, 4>(smem, slot, lrow, stage(), part * span, min(chunks, part * span + span), P.midpoint,
                                 P.scale_bf16, slot.zeros != 0, acc);
                 if (lane < 4) partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
             }

@@ -28,7 +28,7 @@ INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow e
 # longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
 # at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
-THREADS, CONSUMERS = 512, 480
+THREADS, CONSUMERS = 512, 480  # fused_decode.cu's THREADS (ablate_decode --fused-threads patches both)
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")

@@ -83,6 +83,21 @@ def test_ouro_1_4b_fits_an_h200_cta():
     assert max(sum(fd.batches(cta)) for cta in plan.ctas) <= fd.RING // 2
 
 
+def test_ouro_1_4b_fits_12_warp_ctas(monkeypatch):
+    """ablate_decode --fused-threads 384: 11 consumer warps still stage the widest input (F / 4 = 1408 LL words, 4 a
+    thread), own every junction column, and each CTA's down rows split into at most one task per warp."""
+    monkeypatch.setattr(fd, "THREADS", 384)
+    monkeypatch.setattr(fd, "CONSUMERS", 352)
+    plan = fd.layout(OURO_1_4B, 132)
+    assert not isinstance(plan, str) and plan.smem_bytes <= 232448 - 4096
+    assert OURO_1_4B.intermediate // 4 <= fd.STAGE_WORDS * fd.CONSUMERS and OURO_1_4B.hidden // 8 <= fd.CONSUMERS
+    warps = fd.CONSUMERS // 32
+    for cta in plan.ctas:
+        assert -(-cta.units[1] // 3) <= warps  # QKV tasks of 3 units (QKV_UNITS in the kernel)
+        assert cta.g_quads[1] <= warps and cta.o_quads[1] <= warps
+        assert cta.d_quads[1] * 2 <= warps  # down: 2 parts of 88 chunks a quad
+
+
 @pytest.mark.parametrize("splits", [1, 2, 4, 64])
 def test_fewer_attention_splits_when_asked(monkeypatch, splits):
     """fused_decode.SPLITS caps the splits per KV head (never above what the CTAs allow: 8 here)."""

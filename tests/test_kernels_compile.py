@@ -48,6 +48,30 @@ def test_the_fused_decode_kernel_assembles_for_sm90():
     assert status == 0, log
 
 
+def test_the_384_thread_fused_kernel_assembles_without_spills(monkeypatch):
+    """The fused kernel in 12-warp CTAs (ablate_decode --fused-threads 384: 168 registers a thread instead of 128,
+    3 QKV units per warp task, down split to fit 11 consumer warps) through ptxas, with no spill stores at bf16 MHA."""
+    from tinyloop_hf.kernels import loader
+
+    source = loader.source
+
+    def patched(file: str, _seen: set[str] | None = None) -> str:
+        text = source(file, _seen)
+        if file == "fused_decode.cu":
+            text = text.replace("constexpr int THREADS = 512;", "constexpr int THREADS = 384;")
+        return text
+
+    monkeypatch.setattr(loader, "source", patched)
+    try:
+        import nvidia.cuda_nvrtc  # noqa: F401
+    except ImportError:
+        pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12; it is missing")
+    status, log = compile_log("fused_decode.cu", ["fused::fused_decode<__nv_bfloat16, 128, 1>"], "sm_90",
+                              ("--ptxas-options=-v",))  # fmt: skip
+    assert status == 0, log
+    assert "Used 168 registers" in log and " 0 bytes spill stores" in log, log
+
+
 @pytest.mark.parametrize("probe", ["ring_probe", "pipe_probe"])
 def test_the_megakernel_probes_compile(probe):
     """eval/ring_probe.py's and eval/pipe_probe.py's kernels (measurements, not used by the model), for sm_90."""
