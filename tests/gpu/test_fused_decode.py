@@ -65,6 +65,38 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # 
      ("llama", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE)],
 )  # fmt: skip
 def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, per_op):
+    _check_closeness(variant, quant, dtype, shape, per_op)
+
+
+@pytest.fixture
+def threads_384(monkeypatch):
+    """The kernel compiled for 12-warp CTAs (ablate_decode --fused-threads 384), its cached builds dropped around it."""
+    from tinyloop_hf.kernels import loader
+
+    source = loader.source
+
+    def patched(file: str, _seen: set[str] | None = None) -> str:
+        text = source(file, _seen)
+        if file == "fused_decode.cu":
+            assert text.count("constexpr int THREADS = 512;") == 1
+            text = text.replace("constexpr int THREADS = 512;", "constexpr int THREADS = 384;")
+        return text
+
+    monkeypatch.setattr(loader, "source", patched)
+    monkeypatch.setattr(fused_decode, "THREADS", 384)
+    monkeypatch.setattr(fused_decode, "CONSUMERS", 352)
+    loader.kernel.cache_clear()
+    yield
+    loader.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("variant, shape", [("ouro", {}), ("llama", {}), ("ouro", WIDE)])
+def test_the_12_warp_kernel_is_as_close_as_the_16_warp_one(variant, shape, per_op, threads_384):
+    """3 QKV units per warp task (6 rows) and 11 consumer warps: the same bounds as the default kernel."""
+    _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op)
+
+
+def _check_closeness(variant, quant, dtype, shape, per_op):
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(4)).cuda()
     reference = _model(variant, quant, dtype, **shape)
     want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
