@@ -121,14 +121,9 @@ def apply_switches(args: argparse.Namespace) -> None:
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
-    patches = list(args.without)
-    if args.fused_threads and args.fused_threads != fused_decode.THREADS:
-        WITHOUT[f"fused-{args.fused_threads}-threads"] = [
-            ("fused_decode.cu", f"constexpr int THREADS = {fused_decode.THREADS};",
-             f"constexpr int THREADS = {args.fused_threads};")]  # fmt: skip
-        patches.append(f"fused-{args.fused_threads}-threads")
-        fused_decode.THREADS, fused_decode.CONSUMERS = args.fused_threads, args.fused_threads - 32
-    patch_sources(patches)
+    if args.fused_threads:
+        fused_decode.use_threads(args.fused_threads)
+    patch_sources(args.without)
 
 
 def switches_label(args: argparse.Namespace, model: Any) -> str:

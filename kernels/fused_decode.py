@@ -28,12 +28,36 @@ INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow e
 # longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
 # at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
-THREADS, CONSUMERS = 512, 480  # fused_decode.cu's THREADS (ablate_decode --fused-threads patches both)
+THREADS, CONSUMERS = 512, 480  # fused_decode.cu's THREADS (use_threads changes both)
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")
 LOOP_END = 1
 JUNCTION_MODES = {"pre": 0, "sandwich": 1, "post_residual": 2}
+
+
+def use_threads(threads: int) -> None:
+    """Experiments (``ablate_decode --fused-threads``, tests): compile and launch the kernel with ``threads``-thread
+    CTAs. 384 (12 warps) gives each thread 168 registers where the default 512 holds them to 128. Call it before the
+    kernel is first compiled in the process: ``loader.kernel`` caches builds by name."""
+    from . import loader
+
+    if threads not in (384, 512):
+        raise ValueError(f"fused_decode.use_threads: threads must be 384 or 512, not {threads}")
+    global THREADS, CONSUMERS
+    default, wanted = "constexpr int THREADS = 512;", f"constexpr int THREADS = {threads};"
+    source = loader.source
+
+    def patched(file: str, _seen: set[str] | None = None) -> str:
+        text = source(file, _seen)
+        if file == "fused_decode.cu":
+            if text.count(default) != 1:
+                raise ValueError("fused_decode.use_threads: fused_decode.cu no longer declares THREADS = 512")
+            text = text.replace(default, wanted)
+        return text
+
+    loader.source = patched
+    THREADS, CONSUMERS = threads, threads - 32
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -86,8 +86,14 @@ def test_ouro_1_4b_fits_an_h200_cta():
 def test_ouro_1_4b_fits_12_warp_ctas(monkeypatch):
     """ablate_decode --fused-threads 384: 11 consumer warps still stage the widest input (F / 4 = 1408 LL words, 4 a
     thread), own every junction column, and each CTA's down rows split into at most one task per warp."""
-    monkeypatch.setattr(fd, "THREADS", 384)
-    monkeypatch.setattr(fd, "CONSUMERS", 352)
+    from tinyloop_hf.kernels import loader
+
+    for module, name in ((loader, "source"), (fd, "THREADS"), (fd, "CONSUMERS")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    fd.use_threads(384)
+    assert (fd.THREADS, fd.CONSUMERS) == (384, 352)
+    with pytest.raises(ValueError, match="384 or 512"):
+        fd.use_threads(256)
     plan = fd.layout(OURO_1_4B, 132)
     assert not isinstance(plan, str) and plan.smem_bytes <= 232448 - 4096
     assert OURO_1_4B.intermediate // 4 <= fd.STAGE_WORDS * fd.CONSUMERS and OURO_1_4B.hidden // 8 <= fd.CONSUMERS

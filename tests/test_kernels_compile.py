@@ -51,17 +51,11 @@ def test_the_fused_decode_kernel_assembles_for_sm90():
 def test_the_384_thread_fused_kernel_assembles_without_spills(monkeypatch):
     """The fused kernel in 12-warp CTAs (ablate_decode --fused-threads 384: 168 registers a thread instead of 128,
     3 QKV units per warp task, down split to fit 11 consumer warps) through ptxas, with no spill stores at bf16 MHA."""
-    from tinyloop_hf.kernels import loader
+    from tinyloop_hf.kernels import fused_decode, loader
 
-    source = loader.source
-
-    def patched(file: str, _seen: set[str] | None = None) -> str:
-        text = source(file, _seen)
-        if file == "fused_decode.cu":
-            text = text.replace("constexpr int THREADS = 512;", "constexpr int THREADS = 384;")
-        return text
-
-    monkeypatch.setattr(loader, "source", patched)
+    for module, name in ((loader, "source"), (fused_decode, "THREADS"), (fused_decode, "CONSUMERS")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    fused_decode.use_threads(384)
     try:
         import nvidia.cuda_nvrtc  # noqa: F401
     except ImportError:

@@ -73,18 +73,9 @@ def threads_384(monkeypatch):
     """The kernel compiled for 12-warp CTAs (ablate_decode --fused-threads 384), its cached builds dropped around it."""
     from tinyloop_hf.kernels import loader
 
-    source = loader.source
-
-    def patched(file: str, _seen: set[str] | None = None) -> str:
-        text = source(file, _seen)
-        if file == "fused_decode.cu":
-            assert text.count("constexpr int THREADS = 512;") == 1
-            text = text.replace("constexpr int THREADS = 512;", "constexpr int THREADS = 384;")
-        return text
-
-    monkeypatch.setattr(loader, "source", patched)
-    monkeypatch.setattr(fused_decode, "THREADS", 384)
-    monkeypatch.setattr(fused_decode, "CONSUMERS", 352)
+    for module, name in ((loader, "source"), (fused_decode, "THREADS"), (fused_decode, "CONSUMERS")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    fused_decode.use_threads(384)
     loader.kernel.cache_clear()
     yield
     loader.kernel.cache_clear()
