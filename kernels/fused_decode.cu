@@ -480,33 +480,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     // wait hides their latency; not a phase ahead, which kept 24 registers live through the projections' loops.
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     auto norm_weight = [&](const void* w) { return owned ? load_vec(w, vec) : zero4; };
-    // O and down: the CTA's rows in quads, K split into parts (of at least 16 chunks of 32 columns) so that its quads x
-    // parts tasks fill the warps; the parts' sums meet in shared memory. With one part, a warp's lane 0 stores its quad.
-    auto project_quads = [&](const Slot& slot, int quads, int chunks, uint4* out, unsigned seq) {
-        const int parts = max(1, min(CWARPS / max(quads, 1), chunks / 16));
-        const int span = (chunks + parts - 1) / parts, tasks = quads * parts;
-        for (int task = cwarp; task < tasks; task += CWARPS) {
-            const int q = task / parts, part = task % parts;
-            const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
-            float acc[4];
-            smem_dots<T, 4>(smem, slot, lrow, stage(), part * span, min(chunks, part * span + span), P.midpoint,
-                            P.scale_bf16, slot.zeros != 0, acc);
-            if (parts == 1) {
-                if (lane == 0) ll_store16(out + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
-            } else if (lane < 4) {
-                partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
-            }
-        }
-        if (parts == 1) return;
-        consumers_sync();
-        if (ct < quads) {
-            float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int part = 0; part < parts; ++part)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) y[i] += partials()[(ct * parts + part) * 4 + i];
-            ll_store16(out + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
-        }
-    };
 
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
@@ -745,7 +718,16 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             mark(a, 6);
             wait_slot(a, 1);
             mark(a, 7);
-            project_quads(P.slot[1], W.o_quads, Hq * D / 32, P.o_ll + W.o_quad0, seq_of(epoch, apps, a, PH_O));
+            const Slot& slot = P.slot[1];
+            const unsigned seq = seq_of(epoch, apps, a, PH_O);
+            for (int q = cwarp; q < W.o_quads; q += CWARPS) {
+                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
+                float acc[4];
+                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
+                                acc);
+                if (lane == 0)
+                    ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
+            }
             release_slot(1);
             mark(a, 8);
         }
@@ -782,14 +764,39 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             release_slot(2);
             mark(a, 11);
         }
-        // ================= P5: down projection =================
+        // ================= P5: down projection (K split in parts of 64 chunks, or longer parts where the CTA's
+        // rows would otherwise give a warp two tasks) =================
         {
             poll_to_stage(P.h_ll, F, seq_of(epoch, apps, a, PH_H));
             consumers_sync();
             mark(a, 12);
             wait_slot(a, 3);
             mark(a, 13);
-            project_quads(P.slot[3], W.d_quads, F / 32, P.down_ll + W.d_quad0, seq_of(epoch, apps, a, PH_DOWN));
+            const Slot& slot = P.slot[3];
+            const int chunks = F / 32;
+            int span = 64;
+            if (W.d_quads * ((chunks + span - 1) / span) > CWARPS && W.d_quads <= CWARPS) {
+                const int parts_that_fit = CWARPS / W.d_quads;
+                span = (chunks + parts_that_fit - 1) / parts_that_fit;
+            }
+            const int parts = (chunks + span - 1) / span, tasks = W.d_quads * parts;
+            for (int task = cwarp; task < tasks; task += CWARPS) {
+                const int q = task / parts, part = task % parts;
+                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
+                float acc[4];
+                smem_dots<T, 4>(smem, slot, lrow, stage(), part * span, min(chunks, part * span + span), P.midpoint,
+                                P.scale_bf16, slot.zeros != 0, acc);
+                if (lane < 4) partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+            }
+            consumers_sync();
+            const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
+            if (ct < W.d_quads) {
+                float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int part = 0; part < parts; ++part)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) y[i] += partials()[(ct * parts + part) * 4 + i];
+                ll_store16(P.down_ll + W.d_quad0 + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
+            }
             release_slot(3);
             mark(a, 14);
         }
