@@ -99,9 +99,10 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
                         help="batch-1 paged decode (clusters) launched programmatically, triggering after its wait")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the paged cache's K/V")
-    parser.add_argument("--fused-decode", action="store_true", help="the step as one kernel (kernels/fused_decode.cu)")
+    parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="the step as one kernel where it serves it (kernels/fused_decode.cu; the default)")
     parser.add_argument("--fused-threads", type=int, choices=(384, 512),
-                        help="threads of the fused kernel's CTAs (384: 168 registers, no spills; 512: 128)")
+                        help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
@@ -122,15 +123,15 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     if args.fused_threads:
-        fused_decode.use_threads(args.fused_threads)
+        fused_decode.THREADS = args.fused_threads
     patch_sources(args.without)
 
 
 def switches_label(args: argparse.Namespace, model: Any) -> str:
     """What the switches turned on, as a suffix for the result line."""
     label = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
-    label += ", fused decode kernel" if model._cuda_path.fused.steps else ""
-    label += f" ({fused_decode.THREADS} threads)" if model._cuda_path.fused.steps else ""
+    threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
+    label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
@@ -145,8 +146,9 @@ def benchmark_model(args: argparse.Namespace) -> TinyLoopForCausalLM:
     return model
 
 
-def warmed_decode_step(model: TinyLoopForCausalLM, args: argparse.Namespace,
-                       after_prompt: Callable[[], None] | None = None) -> Callable[[], None]:
+def warmed_decode_step(
+    model: TinyLoopForCausalLM, args: argparse.Namespace, after_prompt: Callable[[], None] | None = None
+) -> Callable[[], None]:
     """A decode step after a ``--context``-token prompt of ``--batch`` rows, its graph captured and replayed once;
     ``after_prompt`` runs between the prompt (which compiles every kernel) and the first step."""
     ids = torch.randint(1, 49152, (args.batch, args.context), device="cuda")

@@ -5,10 +5,11 @@
 //     layer application's INT4 weights, scales and zeros into shared memory with TMA bulk copies (L2 evict-first),
 //     one slot per projection (QKV, O, gate/up, down), one layer application ahead, at most `inflight` batches of
 //     about `chunk` bytes in flight (a deep queue of weight traffic makes every synchronization slow: H200 probe);
-//   * warps 1-15 (the consumers) run 5 phases per layer application — QKV + RoPE + K/V append, attention,
-//     O, residual junction + gate/up + SwiGLU, down — with no grid barrier: every phase's output is written in
-//     LL form (each 4-byte payload next to a 4-byte sequence number, stored and loaded as one access, as NCCL's LL
-//     protocol does), and consumers poll the words they need until their sequence numbers match;
+//   * the other warps (the consumers: 11 in a 384-thread CTA, 15 at 512) run 5 phases per layer application — QKV +
+//     RoPE + K/V append, attention, O, residual junction + gate/up + SwiGLU, down — with no grid barrier: every
+//     phase's output is written in LL form (each 4-byte payload next to a 4-byte sequence number, stored and loaded
+//     as one access, as NCCL's LL protocol does), and consumers poll the words they need until their sequence
+//     numbers match;
 //   * every CTA keeps its own copy of the residual stream and recomputes the residual junctions (a few KiB of
 //     math): nothing but the phase outputs crosses CTAs.
 // Rounding mirrors the multi-kernel CUDA path (norm.cuh, gemv_quant.cu, paged_attention.cu, rope_epilogue.cuh).
@@ -21,11 +22,6 @@
 
 namespace fused {
 
-constexpr int THREADS = 512;
-constexpr int CONSUMERS = THREADS - 32;  // warps 1..15
-constexpr int CWARPS = CONSUMERS / 32;
-// QKV pair units per warp task: 2 (4 rows) while a CTA's ~24 units fit in one task per warp, else 3 (6 rows).
-constexpr int QKV_UNITS = CWARPS >= 12 ? 2 : 3;
 constexpr int RING = 128;          // batch mbarriers, reused cyclically (the host keeps batches per app <= RING / 2)
 constexpr int MAX_TASKS = 64;      // GEMV tasks of one phase of one CTA (partial sums in shared memory)
 constexpr int MAX_UNITS = 128;     // QKV pair units of one CTA
@@ -121,6 +117,7 @@ struct Params {
 // ---------------------------------------------------------------------------------------------------------------
 
 // Every consumer thread (named barrier 1; the producer warp never takes part).
+template <int CONSUMERS>
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory"); }
 
 // LL words: relaxed gpu-scope accesses (L2, never a stale L1 line), each payload beside its sequence number.
@@ -217,22 +214,23 @@ __device__ __forceinline__ int swizzle(int v) { return (v & ~3) | (((v & 3) + (v
 // ---------------------------------------------------------------------------------------------------------------
 
 // Sum over the consumer threads (two shared buffers used in turn: one barrier per call).
+template <int CONSUMERS>
 __device__ __forceinline__ float consumers_sum(float v, float* red, int& turn) {
     v = warp_sum(v);
     float* buffer = red + 32 * (turn & 1);
     ++turn;
     const int ct = threadIdx.x - 32;
     if ((ct & 31) == 0) buffer[ct >> 5] = v;
-    consumers_sync();
+    consumers_sync<CONSUMERS>();
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < CWARPS; ++i) total += buffer[i];
+    for (int i = 0; i < CONSUMERS / 32; ++i) total += buffer[i];
     return total;
 }
 
 // v <- T(T(v * rsqrt(mean(v^2) + eps)) * w) for the thread's vector (8 values at column 8 * ct, when owned);
 // every consumer thread calls it (the reduction).
-template <typename T>
+template <typename T, int CONSUMERS>
 __device__ __forceinline__ void normalize(float (&v)[8], bool owned, const uint4& w_bits, int H, float eps,
                                           float* red, int& turn) {
     float sq = 0.0f;
@@ -240,7 +238,7 @@ __device__ __forceinline__ void normalize(float (&v)[8], bool owned, const uint4
 #pragma unroll
         for (int e = 0; e < 8; ++e) sq += v[e] * v[e];
     }
-    const float inv = rsqrtf(consumers_sum(sq, red, turn) / H + eps);
+    const float inv = rsqrtf(consumers_sum<CONSUMERS>(sq, red, turn) / H + eps);
     if (!owned) return;
     float w[8];
     unpack8_as_float<T>(w_bits, w);
@@ -292,9 +290,13 @@ __device__ __forceinline__ void smem_dots(const unsigned char* smem, const Slot&
 // The kernel
 // ---------------------------------------------------------------------------------------------------------------
 
-template <typename T, int D, int MAXG>
+template <typename T, int D, int MAXG, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restrict__ params, const float* rope_cos,
                                                            const float* rope_sin, const T* hidden_in) {
+    constexpr int CONSUMERS = THREADS - 32;  // warps 1.. (warp 0 is the producer)
+    constexpr int CWARPS = CONSUMERS / 32;
+    // QKV pair units per warp task: 2 (4 rows) while a CTA's ~24 units fit in one task per warp, else 3 (6 rows).
+    constexpr int QKV_UNITS = CWARPS >= 12 ? 2 : 3;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long ring[RING];
     __shared__ __align__(8) unsigned long long empty[4];
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         }
     };
     auto release_slot = [&](int s) {
-        consumers_sync();  // every consumer is done reading the slot
+        consumers_sync<CONSUMERS>();  // every consumer is done reading the slot
         if (ct == 0) mbar_arrive(&empty[s]);
     };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
@@ -452,7 +454,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             for (int e = 0; e < 8; ++e) v[e] = round_to(x[e] + v[e], tag);
         }
         if (P.mode != 0) {
-            normalize<T>(v, owned, w_branch, H, eps, red, turn);
+            normalize<T, CONSUMERS>(v, owned, w_branch, H, eps, red, turn);
             if (P.mode == 1 && owned) {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) v[e] = round_to(x[e] + v[e], tag);
@@ -469,7 +471,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
 #pragma unroll
             for (int e = 0; e < 8; ++e) dot += x[e] * w[e];
         }
-        dot = consumers_sum(dot, red, turn);
+        dot = consumers_sum<CONSUMERS>(dot, red, turn);
         if (ct == 0) {
             const float bias = P.gate_b == nullptr ? 0.0f : to_float(*static_cast<const T*>(P.gate_b));
             static_cast<T*>(P.gates_out)[loop] = from_float<T>(dot + bias);
@@ -499,14 +501,14 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 poll_vec(P.down_ll, seq_of(epoch, apps, a - 1, PH_DOWN), v);
                 junction(v, w_branch);
                 if (loop_end) {
-                    if (P.final_every_loop) normalize<T>(v, owned, w_final, H, eps, red, turn);
+                    if (P.final_every_loop) normalize<T, CONSUMERS>(v, owned, w_final, H, eps, red, turn);
                     exit_gate(v, w_gate, __ldg(&prev->loop));
                 }
             }
             store_x(v);
-            normalize<T>(v, owned, w_input, H, eps, red, turn);
+            normalize<T, CONSUMERS>(v, owned, w_input, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            consumers_sync();  // the stage
+            consumers_sync<CONSUMERS>();  // the stage
             mark(a, 1);
             wait_slot(a, 0);
             mark(a, 2);
@@ -636,7 +638,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     }
                 }
             }
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             float m[MAXG], l[MAXG], o[MAXG][8];
             empty_states<MAXG>(m, l, o);
             for (int base = 0; base < n; base += UNROLL * subs) {
@@ -655,7 +657,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             merge_warp_states<MAXG, per_token>(m, l, o);
             store_warp_state<D, MAXG>(m, l, o, Gq, lane, warp_o + cwarp * MAXG * D,
                                       warp_ml + cwarp * MAXG * 2);
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             const unsigned part_seq = seq_of(epoch, apps, a, PH_PART);
             uint2* part = P.part_ll + static_cast<long long>(h * S + split) * Gq * (D + 2);
             for (int idx = ct; idx < Gq * D; idx += CONSUMERS) {
@@ -671,7 +673,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             if (split == 0) {
                 // The merge of the head's splits. First every split's state into shared memory (a thread per split,
                 // query vector and 4 dims: its 6 words in flight together), then 4 output dims per thread.
-                consumers_sync();  // warp_o / warp_ml have been read: the stage's front is free
+                consumers_sync<CONSUMERS>();  // warp_o / warp_ml have been read: the stage's front is free
                 float* o_s = reinterpret_cast<float*>(stage());  // [Gq][S][D]
                 float* ml_s = o_s + Gq * S * D;                // [Gq][S][2]
                 constexpr int QUADS = D / 4;
@@ -688,7 +690,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                         ml_s[(g * S + i) * 2 + 1] = __uint_as_float(words[1]);
                     }
                 }
-                consumers_sync();
+                consumers_sync<CONSUMERS>();
                 const unsigned attn_seq = seq_of(epoch, apps, a, PH_ATTN);
                 for (int idx = ct; idx < Gq * QUADS; idx += CONSUMERS) {
                     const int g = idx / QUADS, d0 = (idx % QUADS) * 4;
@@ -708,13 +710,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                                pack2<T>(acc[2] * inv, acc[3] * inv), attn_seq);
                 }
             }
-            consumers_sync();  // the stage (q_s, warp states) is reused by P3
+            consumers_sync<CONSUMERS>();  // the stage (q_s, warp states) is reused by P3
             mark(a, 5);
         }
         // ================= P3: O projection =================
         {
             poll_to_stage(P.attn_ll, Hq * D, seq_of(epoch, apps, a, PH_ATTN));
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             mark(a, 6);
             wait_slot(a, 1);
             mark(a, 7);
@@ -738,9 +740,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             poll_vec(P.o_ll, seq_of(epoch, apps, a, PH_O), v);
             junction(v, w_branch);
             store_x(v);
-            normalize<T>(v, owned, w_post, H, eps, red, turn);
+            normalize<T, CONSUMERS>(v, owned, w_post, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             mark(a, 9);
             wait_slot(a, 2);
             mark(a, 10);
@@ -768,7 +770,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         // rows would otherwise give a warp two tasks) =================
         {
             poll_to_stage(P.h_ll, F, seq_of(epoch, apps, a, PH_H));
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             mark(a, 12);
             wait_slot(a, 3);
             mark(a, 13);
@@ -788,7 +790,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                                 P.scale_bf16, slot.zeros != 0, acc);
                 if (lane < 4) partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
             }
-            consumers_sync();
+            consumers_sync<CONSUMERS>();
             const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
             if (ct < W.d_quads) {
                 float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -809,11 +811,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     const uint4 w_gate = norm_weight(P.gate_w);
     poll_vec(P.down_ll, seq_of(epoch, apps, apps - 1, PH_DOWN), v);
     junction(v, w_branch);
-    if (P.final_every_loop) normalize<T>(v, owned, w_final, H, eps, red, turn);
+    if (P.final_every_loop) normalize<T, CONSUMERS>(v, owned, w_final, H, eps, red, turn);
     exit_gate(v, w_gate, __ldg(&last->loop));
-    if (P.final_end) normalize<T>(v, owned, w_final, H, eps, red, turn);
+    if (P.final_end) normalize<T, CONSUMERS>(v, owned, w_final, H, eps, red, turn);
     if (owned) reinterpret_cast<uint4*>(P.hidden_out)[vec] = pack8<T>(v);
-    consumers_sync();
+    consumers_sync<CONSUMERS>();
     if (ct == 0) *P.epoch = epoch + 1;  // every CTA read the epoch before producing anything this CTA waited for
 }
 

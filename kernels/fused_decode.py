@@ -16,48 +16,39 @@ from typing import Any
 
 import torch
 
-# Off by default: correct (bit-identical logits to the per-op path in bf16 on the H200) but not faster. H200,
-# Ouro-1.4B shape, INT4, L = 4, batch 1, graph replay: 2.99 ms against 2.76 per-op. Its structure alone (six LL
-# hand-offs per layer application, no math, weights or attention; timing only) takes 1.38 ms; the weight stream and
-# the projections' math (spilling at the 128-register cap) add the rest (eval/results/BENCH.md, twentieth session).
-# On for experiments: ``fused_decode.FUSED_DECODE = True``.
-FUSED_DECODE = False
+# On by default since the twenty-first session: H200, Ouro-1.4B shape, INT4, L = 4, batch 1, graph replay: 2.47 ms
+# (384-thread CTAs) against 2.76 per-op. Its structure alone (six LL hand-offs per layer application, no math, weights
+# or attention; timing only) takes 1.38 ms of that (eval/results/BENCH.md, twentieth session). Switch it off to
+# measure the per-op chain: ``fused_decode.FUSED_DECODE = False``.
+FUSED_DECODE = True
 CHUNK_BYTES = 16 * 1024  # a TMA batch: about this many bytes per ring mbarrier
 INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow every poll and barrier)
 # Attention splits per KV head (None: as many as the CTAs allow, 8 on the H200 at 16 KV heads). Fewer splits attend
 # longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
 # at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
-THREADS, CONSUMERS = 512, 480  # fused_decode.cu's THREADS (use_threads changes both)
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
+# CTA sizes, in the order tried: 384 threads (11 consumer warps, 168 registers, no spills) where a staged vector fits
+# their STAGE_WORDS words each, else 512 (15 consumer warps at the 128-register cap). H200, Ouro-1.4B shape: 2.47 ms
+# per replay at 384 against 2.60 at 512 (twenty-first session).
+THREAD_CHOICES = (384, 512)
+# Experiments and tests: one CTA size instead of the choice (a model it cannot serve is refused).
+THREADS: int | None = None
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")
 LOOP_END = 1
 JUNCTION_MODES = {"pre": 0, "sandwich": 1, "post_residual": 2}
 
 
-def use_threads(threads: int) -> None:
-    """Experiments (``ablate_decode --fused-threads``, tests): compile and launch the kernel with ``threads``-thread
-    CTAs. 384 (12 warps) gives each thread 168 registers where the default 512 holds them to 128. Call it before the
-    kernel is first compiled in the process: ``loader.kernel`` caches builds by name."""
-    from . import loader
-
-    if threads not in (384, 512):
-        raise ValueError(f"fused_decode.use_threads: threads must be 384 or 512, not {threads}")
-    global THREADS, CONSUMERS
-    default, wanted = "constexpr int THREADS = 512;", f"constexpr int THREADS = {threads};"
-    source = loader.source
-
-    def patched(file: str, _seen: set[str] | None = None) -> str:
-        text = source(file, _seen)
-        if file == "fused_decode.cu":
-            if text.count(default) != 1:
-                raise ValueError("fused_decode.use_threads: fused_decode.cu no longer declares THREADS = 512")
-            text = text.replace(default, wanted)
-        return text
-
-    loader.source = patched
-    THREADS, CONSUMERS = threads, threads - 32
+def threads_for(hidden: int, widest: int) -> int | None:
+    """The CTA size for a hidden size and the widest staged vector (max of intermediate, hidden, heads x head_dim):
+    the first of THREAD_CHOICES (or THREADS) whose consumer threads cover a hidden vector 8 values each and the
+    widest vector in STAGE_WORDS words of 4 values each; None when none does."""
+    for threads in (THREADS,) if THREADS else THREAD_CHOICES:
+        consumers = threads - 32
+        if hidden // 8 <= consumers and widest // 4 <= STAGE_WORDS * consumers:
+            return threads
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -151,6 +142,7 @@ class Layout:
     partials: int
     smem_bytes: int
     splits: int
+    threads: int  # per CTA
 
 
 def _share(total: int, cta: int, ctas: int) -> tuple[int, int]:
@@ -179,6 +171,10 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     """The kernel's work split and shared-memory plan for ``ctas`` CTAs, or why the kernel cannot take the shapes."""
     H, F, D = shapes.hidden, shapes.intermediate, shapes.head_dim
     Hq, Hkv = shapes.heads, shapes.kv_heads
+    widest = max(F, H, Hq * D)
+    threads = threads_for(H, widest)
+    if threads is None:
+        return f"no CTA size of {THREADS or THREAD_CHOICES} threads covers hidden {H} / widest vector {widest}"
     units = (Hq + 2 * Hkv) * D // 2
     work = [
         CtaWork(_share(units, c, ctas), _share(H // 4, c, ctas), _share(F // 4, c, ctas), _share(H // 4, c, ctas))
@@ -207,7 +203,7 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     stage = offset
     gq = Hq // Hkv
     maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
-    attention_floats = gq * D + 2 * D + (CONSUMERS // 32) * maxg * (D + 2)
+    attention_floats = gq * D + 2 * D + (threads - 32) // 32 * maxg * (D + 2)
     splits = max(1, ctas // Hkv if SPLITS is None else min(SPLITS, ctas // Hkv))
     stage_bytes = max(F, H, Hq * D) * shapes.itemsize
     while splits > 1 and 4 * gq * splits * (D + 2) > max(stage_bytes, 4 * attention_floats):
@@ -220,7 +216,7 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
         reason = _pieces(cta, slots, shapes, chunk)
         if reason:
             return reason
-    return Layout(work, slots, xres, stage, partials, offset, splits)
+    return Layout(work, slots, xres, stage, partials, offset, splits, threads)
 
 
 def _pieces(cta: CtaWork, slots: list[dict], shapes: Shapes, chunk: int) -> str | None:
@@ -341,8 +337,7 @@ def model_refusal(model: Any, dtype: torch.dtype) -> str | None:
     if config.exit_gate and (not isinstance(gate, torch.nn.Linear) or gate.weight.dtype != dtype):
         return "it needs an unquantized exit gate in the activation dtype"
     H, F, D = config.hidden_size, config.intermediate_size, config.head_dim
-    widest = max(F, H, config.num_attention_heads * D)
-    if H % 32 or F % 32 or H // 8 > CONSUMERS or widest // 4 > STAGE_WORDS * CONSUMERS:
+    if H % 32 or F % 32 or threads_for(H, max(F, H, config.num_attention_heads * D)) is None:
         return f"hidden_size {H} / intermediate_size {F} / heads x head_dim outside what one CTA's threads cover"
     norms = [model.norm.weight] + [norm.weight for layer in layers for norm in layer.modules()
                                    if norm is not layer and hasattr(norm, "eps")]  # fmt: skip
@@ -367,6 +362,7 @@ class Plan:
     gates_out: torch.Tensor
     name: str
     grid: int
+    threads: int
     smem: int
     slots: list[int]  # cache slots written, in application order
 
@@ -407,7 +403,7 @@ class FusedDecode:
         function = kernel("fused_decode.cu", plan.name)
         if function.max_dynamic_shared_size_bytes != plan.smem:
             function.max_dynamic_shared_size_bytes = plan.smem
-        launch(function, (plan.grid,), (THREADS,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
+        launch(function, (plan.grid,), (plan.threads,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
                shared_mem=plan.smem)  # fmt: skip
         for slot in plan.slots:
             cache.mark_written(slot)
@@ -446,7 +442,7 @@ class FusedDecode:
             return plan
         gq = Hq // Hkv
         maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
-        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}>"
+        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}, {plan.threads}>"
         limit = _smem_limit(device) - 4096  # less the kernel's static shared memory (3,456 bytes: ptxas, sm_90)
         if plan.smem_bytes > limit:
             return f"its shared memory ({plan.smem_bytes} bytes) exceeds the device's {limit}"
@@ -553,7 +549,7 @@ class FusedDecode:
             target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
-        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.smem_bytes, slots)
+        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots)
 
 
 def _smem_limit(device: torch.device) -> int:

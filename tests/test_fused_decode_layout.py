@@ -83,25 +83,38 @@ def test_ouro_1_4b_fits_an_h200_cta():
     assert max(sum(fd.batches(cta)) for cta in plan.ctas) <= fd.RING // 2
 
 
-def test_ouro_1_4b_fits_12_warp_ctas(monkeypatch):
-    """ablate_decode --fused-threads 384: 11 consumer warps still stage the widest input (F / 4 = 1408 LL words, 4 a
-    thread), own every junction column, and each CTA's down rows split into at most one task per warp."""
-    from tinyloop_hf.kernels import loader
-
-    for module, name in ((loader, "source"), (fd, "THREADS"), (fd, "CONSUMERS")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    fd.use_threads(384)
-    assert (fd.THREADS, fd.CONSUMERS) == (384, 352)
-    with pytest.raises(ValueError, match="384 or 512"):
-        fd.use_threads(256)
+def test_ouro_1_4b_gets_12_warp_ctas():
+    """11 consumer warps still stage the widest input (F / 4 = 1408 LL words, 4 a thread) and own every junction
+    column, so Ouro-1.4B gets 384-thread CTAs, and each CTA's down rows split into at most one task per warp."""
     plan = fd.layout(OURO_1_4B, 132)
     assert not isinstance(plan, str) and plan.smem_bytes <= 232448 - 4096
-    assert OURO_1_4B.intermediate // 4 <= fd.STAGE_WORDS * fd.CONSUMERS and OURO_1_4B.hidden // 8 <= fd.CONSUMERS
-    warps = fd.CONSUMERS // 32
+    assert plan.threads == 384
+    warps = (plan.threads - 32) // 32
     for cta in plan.ctas:
         assert -(-cta.units[1] // 3) <= warps  # QKV tasks of 3 units (QKV_UNITS in the kernel)
         assert cta.g_quads[1] <= warps and cta.o_quads[1] <= warps
         assert cta.d_quads[1] * 2 <= warps  # down: 2 parts of 88 chunks a quad
+
+
+def test_wider_vectors_get_16_warp_ctas_and_wider_still_are_refused():
+    """A vector of more than 4 x 352 LL words (F = 5632) needs the 480 consumer threads of a 512-thread CTA; past
+    4 x 480 words (F = 7680) no CTA size covers it, and the layout says so."""
+    assert fd.threads_for(2048, 5632) == 384 and fd.threads_for(2048, 5664) == 512
+    assert fd.threads_for(2048, 7680) == 512 and fd.threads_for(2048, 7712) is None
+    assert fd.threads_for(2816, 2816) == 384 and fd.threads_for(2848, 2848) == 512  # hidden / 8 against 352
+    wide = fd.Shapes(2048, 7680, 16, 16, 128, {2048: 16, 7680: 60}, True, 2, False)
+    assert fd.layout(wide, 132).threads == 512
+    llama_1b = fd.Shapes(2048, 8192, 32, 8, 64, {2048: 16, 8192: 64}, True, 2, False)
+    reason = fd.layout(llama_1b, 132)
+    assert isinstance(reason, str) and "8192" in reason and "(384, 512)" in reason
+
+
+def test_threads_forces_one_cta_size(monkeypatch):
+    """fused_decode.THREADS (experiments, tests) replaces the choice; a shape it cannot cover is refused."""
+    monkeypatch.setattr(fd, "THREADS", 512)
+    assert fd.layout(OURO_1_4B, 132).threads == 512
+    monkeypatch.setattr(fd, "THREADS", 384)
+    assert fd.threads_for(2048, 5664) is None
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4, 64])
@@ -124,11 +137,12 @@ def test_structs_match_the_kernel():
     assert ctypes.sizeof(fd.PieceStruct) == 32
     assert ctypes.sizeof(fd.WorkStruct) == 29 * 4
     assert ctypes.sizeof(fd.SlotStruct) == 32
-    source = (fd.__file__.rsplit("/", 1)[0] + "/fused_decode.cu")
+    source = fd.__file__.rsplit("/", 1)[0] + "/fused_decode.cu"
     text = open(source).read()
     for name in ("RING", "MAX_TASKS", "MAX_UNITS"):
         assert f"constexpr int {name} = {getattr(fd, name)};" in text
-    assert f"constexpr int THREADS = {fd.THREADS};" in text
+    assert f"constexpr int STAGE_WORDS = {fd.STAGE_WORDS};" in text
+    assert "constexpr int CONSUMERS = THREADS - 32;" in text  # threads_for's consumer count
     # Params: every field, in order, by name.
     body = text[text.index("struct Params {") : text.index("};", text.index("struct Params {"))]
     position = 0

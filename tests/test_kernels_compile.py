@@ -42,25 +42,20 @@ def test_hopper_only_code_assembles(file, name):
 
 def test_the_fused_decode_kernel_assembles_for_sm90():
     """kernels/fused_decode.cu (TMA bulk copies, mbarrier transaction counts: sm_90 only), through ptxas, for the
-    paths its templates select: bf16 MHA at head_dim 128 and fp16 GQA at head_dim 64."""
-    names = ["fused::fused_decode<__nv_bfloat16, 128, 1>", "fused::fused_decode<__half, 64, 4>"]
+    paths its templates select: bf16 MHA at head_dim 128 and fp16 GQA at head_dim 64, in both CTA sizes."""
+    names = ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>", "fused::fused_decode<__half, 64, 4, 512>"]
     status, log = _compile("fused_decode.cu", names, arch="sm_90")
     assert status == 0, log
 
 
-def test_the_384_thread_fused_kernel_assembles_without_spills(monkeypatch):
-    """The fused kernel in 12-warp CTAs (ablate_decode --fused-threads 384: 168 registers a thread instead of 128,
+def test_the_384_thread_fused_kernel_assembles_without_spills():
+    """The fused kernel in 12-warp CTAs (the default where the shapes fit: 168 registers a thread instead of 128,
     3 QKV units per warp task, down split to fit 11 consumer warps) through ptxas, with no spill stores at bf16 MHA."""
-    from tinyloop_hf.kernels import fused_decode, loader
-
-    for module, name in ((loader, "source"), (fused_decode, "THREADS"), (fused_decode, "CONSUMERS")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    fused_decode.use_threads(384)
     try:
         import nvidia.cuda_nvrtc  # noqa: F401
     except ImportError:
         pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12; it is missing")
-    status, log = compile_log("fused_decode.cu", ["fused::fused_decode<__nv_bfloat16, 128, 1>"], "sm_90",
+    status, log = compile_log("fused_decode.cu", ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"], "sm_90",
                               ("--ptxas-options=-v",))  # fmt: skip
     assert status == 0, log
     assert "Used 168 registers" in log and " 0 bytes spill stores" in log, log
