@@ -14,7 +14,7 @@ from tinyloop_hf.convert.quantize import quantize_model
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available():
     pytest.importorskip("cupy")
-    from tinyloop_hf.kernels import attention_block
+    from tinyloop_hf.kernels import attention_block, fused_decode
     from tinyloop_hf.kernels.loader import sm90_or_newer
 
     if not sm90_or_newer():
@@ -49,6 +49,12 @@ def _attention_calls(config, decode_steps):
     """attention_block launches of ``decode_steps`` batch-1 decode steps: one per attention block application."""
     blocks = config.num_prelude_layers + config.num_loops * config.num_loop_layers + config.num_coda_layers
     return decode_steps * blocks
+
+
+@pytest.fixture(autouse=True)
+def per_op_steps(monkeypatch):
+    """The fused decode kernel (on by default) would take the batch-1 steps whose attention blocks these tests count."""
+    monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
 
 
 @pytest.fixture
