@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyloop_hf.kernels import fused_decode
+
 from .ablate_decode import benchmark_model, warmed_decode_step
 from .bench import timed
 from .profile_decode import gpu_ms
@@ -92,7 +94,8 @@ def breakdown(model, batch: int, context: int, tokens: int) -> str:
         f"{second_half:.3f} over the second half of the tokens); replay "
         f"{statistics.median(durations):.3f} ms in generate(), {alone:.3f} back to back; GPU gap between replays "
         f"median {statistics.median(gaps):.1f} us (max {max(gaps):.1f}); host launched {late} of {len(lead)} "
-        f"replays after the previous one ended (median lead {statistics.median(lead) * 1000:.2f} ms)"
+        f"replays after the previous one ended (median lead {statistics.median(lead) * 1000:.2f} ms); run-ahead "
+        f"{model._cuda_path.run_ahead_counts}; fused steps {model._cuda_path.fused.steps}"
     )
 
 
@@ -101,7 +104,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--context", type=int, default=128, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generate()")
+    parser.add_argument("--fused-decode", action=argparse.BooleanOptionalAction, default=True,
+                        help="batch-1 steps as one kernel (kernels/fused_decode.cu; the default)")
+    parser.add_argument("--spare-sms", type=int, help="SMs the fused kernel leaves free (fused_decode.SPARE_SMS)")
     args = parser.parse_args()
+    fused_decode.FUSED_DECODE = args.fused_decode
+    if args.spare_sms is not None:
+        fused_decode.SPARE_SMS = args.spare_sms
     model = benchmark_model(argparse.Namespace(kv_cache_dtype="auto"))
     for batch in args.batch:
         print(breakdown(model, batch, args.context, args.tokens))

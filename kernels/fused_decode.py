@@ -27,6 +27,11 @@ INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow e
 # longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
 # at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
+# SMs left free of the kernel's CTAs. A CTA fills its SM's register file (384 x 168 or 512 x 128 registers), so on a
+# full grid nothing else runs until the step ends: generate()'s own kernels for the previous token (argmax, stopping
+# check) then wait behind a step run ahead (cuda_path run-ahead), and so does the host. H200, greedy generate() of
+# the Ouro-1.4B shape with no SM spare: replays 2.49 ms but 3.30 ms per token, the GPU idle 0.70 ms between replays.
+SPARE_SMS = 4
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 # CTA sizes, in the order tried: 384 threads (11 consumer warps, 168 registers, no spills) where a staged vector fits
 # their STAGE_WORDS words each, else 512 (15 consumer warps at the 128-register cap). H200, Ouro-1.4B shape: 2.47 ms
@@ -427,9 +432,9 @@ class FusedDecode:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shapes = Shapes(H, F, Hq, Hkv, D, {K: fmt.groups(K) for K in (H, Hq * D, F)}, not fmt.symmetric, itemsize,
                         config.rope_layout == "interleaved")  # fmt: skip
-        # One CTA per SM, at most one per QKV pair unit and per gate/up quad: the LL buffers are reused safely only
-        # because each phase's next writer depends on every CTA through those two phases.
-        grid = min(multiprocessors(device), (Hq + 2 * Hkv) * D // 2, F // 4)
+        # One CTA per SM but SPARE_SMS, at most one per QKV pair unit and per gate/up quad: the LL buffers are reused
+        # safely only because each phase's next writer depends on every CTA through those two phases.
+        grid = min(max(1, multiprocessors(device) - SPARE_SMS), (Hq + 2 * Hkv) * D // 2, F // 4)
         if grid < Hkv:
             return f"fewer CTAs ({grid}) than KV heads ({Hkv})"
         misaligned = [name for layer in layers for name, linear in zip(MATRICES, _linears(layer), strict=True)
