@@ -30,7 +30,8 @@ SPLITS: int | None = None
 # SMs left free of the kernel's CTAs. A CTA fills its SM's register file (384 x 168 or 512 x 128 registers), so on a
 # full grid nothing else runs until the step ends: generate()'s own kernels for the previous token (argmax, stopping
 # check) then wait behind a step run ahead (cuda_path run-ahead), and so does the host. H200, greedy generate() of
-# the Ouro-1.4B shape with no SM spare: replays 2.49 ms but 3.30 ms per token, the GPU idle 0.70 ms between replays.
+# the Ouro-1.4B shape with no SM spare: replays 2.49 ms but 3.35 ms per token, the GPU idle 0.87 ms between replays;
+# 2 or 4 spare: 2.52 ms per token, 40 us idle. At 8 spare (124 CTAs) that shape's plan outgrows shared memory.
 SPARE_SMS = 4
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 # CTA sizes, in the order tried: 384 threads (11 consumer warps, 168 registers, no spills) where a staged vector fits
@@ -148,6 +149,14 @@ class Layout:
     smem_bytes: int
     splits: int
     threads: int  # per CTA
+
+
+def grid_for(sms: int, shapes: Shapes) -> int:
+    """CTAs of a launch on a device of ``sms`` SMs: one per SM but SPARE_SMS, at most one per QKV pair unit and per
+    gate/up quad (the LL buffers are reused safely only because each phase's next writer depends on every CTA through
+    those two phases)."""
+    units = (shapes.heads + 2 * shapes.kv_heads) * shapes.head_dim // 2
+    return min(max(1, sms - SPARE_SMS), units, shapes.intermediate // 4)
 
 
 def _share(total: int, cta: int, ctas: int) -> tuple[int, int]:
@@ -432,9 +441,7 @@ class FusedDecode:
         itemsize = torch.empty((), dtype=dtype).element_size()
         shapes = Shapes(H, F, Hq, Hkv, D, {K: fmt.groups(K) for K in (H, Hq * D, F)}, not fmt.symmetric, itemsize,
                         config.rope_layout == "interleaved")  # fmt: skip
-        # One CTA per SM but SPARE_SMS, at most one per QKV pair unit and per gate/up quad: the LL buffers are reused
-        # safely only because each phase's next writer depends on every CTA through those two phases.
-        grid = min(max(1, multiprocessors(device) - SPARE_SMS), (Hq + 2 * Hkv) * D // 2, F // 4)
+        grid = grid_for(multiprocessors(device), shapes)
         if grid < Hkv:
             return f"fewer CTAs ({grid}) than KV heads ({Hkv})"
         misaligned = [name for layer in layers for name, linear in zip(MATRICES, _linears(layer), strict=True)

@@ -96,6 +96,15 @@ def test_ouro_1_4b_gets_12_warp_ctas():
         assert cta.d_quads[1] * 2 <= warps  # down: 2 parts of 88 chunks a quad
 
 
+def test_the_grid_leaves_spare_sms_and_ouro_1_4b_still_fits():
+    """SPARE_SMS SMs stay free for generate()'s own kernels (a CTA fills its SM's register file): 128 CTAs on the
+    H200's 132 SMs, which still hold Ouro-1.4B's plan (24 QKV units a CTA); a small model gets one CTA per unit."""
+    assert fd.SPARE_SMS == 4 and fd.grid_for(132, OURO_1_4B) == 128
+    assert fd.layout(OURO_1_4B, 128).smem_bytes <= 232448 - 4096
+    assert fd.grid_for(132, SMALL_GQA) == 128 and fd.grid_for(4, SMALL_GQA) == 1
+    assert fd.grid_for(132, fd.Shapes(64, 64, 1, 1, 64, {64: 2}, True, 2, False)) == 16  # F / 4 quads
+
+
 def test_wider_vectors_get_16_warp_ctas_and_wider_still_are_refused():
     """A vector of more than 4 x 352 LL words (F = 5632) needs the 480 consumer threads of a 512-thread CTA; past
     4 x 480 words (F = 7680) no CTA size covers it, and the layout says so."""
