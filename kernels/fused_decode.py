@@ -1,10 +1,10 @@
 """Host side of fused_decode.cu: whether a batch-1 decode step can run as one launch, the launch's tables, the launch.
 
-The kernel runs every layer application of the step (all loops) on one CTA per SM (see fused_decode.cu). What it
-serves is checked here, and a step it cannot serve runs on the per-op CUDA kernels instead, with the reason available
-from ``fused_decode_refusal`` (both paths are the CUDA path; nothing falls back to the reference). The layout —
-which rows of each projection a CTA owns, where they sit in its shared memory, which TMA copies bring them — is
-computed by ``layout()`` in plain Python (tests check it without a GPU).
+The kernel runs every layer application of the step (all loops) on one CTA per SM but SPARE_SMS (see
+fused_decode.cu). What it serves is checked here, and a step it cannot serve runs on the per-op CUDA kernels instead,
+with the reason available from ``refusal`` (``model_refusal`` for the model alone). Both are the CUDA path; nothing
+falls back to the reference. The layout — which rows of each projection a CTA owns, where they sit in its shared
+memory, which TMA copies bring them — is computed by ``layout()`` in plain Python (tests check it without a GPU).
 """
 
 from __future__ import annotations
