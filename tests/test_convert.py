@@ -66,6 +66,13 @@ def test_converted_directory_loads_through_auto_classes_and_matches_reference(co
     assert AutoTokenizer.from_pretrained(converted_ouro).decode([72, 105]) == "Hi"
 
 
+@pytest.mark.parametrize("theta", [10000.0, 49000.0])
+def test_a_huginn_rope_table_that_does_not_match_the_config_is_refused(theta):
+    """The checkpoint's stored freqs_cis (rope_base 50000) against a config with another base: refused, even 2% off."""
+    with pytest.raises(ConversionError, match="freqs_cis stored in the Huginn checkpoint does not match"):
+        build_model(read_source(REFERENCE / "huginn-tiny"), rope_theta=theta)
+
+
 def test_huginn_converts_with_the_zero_initial_state(tmp_path):
     source = _copy_source("huginn-tiny", tmp_path)
     destination = convert_checkpoint(source, tmp_path / "tl", max_loops=40)
