@@ -139,9 +139,9 @@ def _check_huginn_rope(source: Source, config: TinyLoopConfig) -> None:
     positions = torch.arange(stored.shape[1])[None]
     cos, sin = rope_angles(positions, config.head_dim, config.rope_theta)
     ours = torch.stack((cos, sin), dim=-1)[:, :, None]  # [1, T, 1, Dh/2, 2], the reference's layout
-    # atol 1e-3: a wrong base or head_dim is off by far more within a few positions, and torch 2.13's CPU cos was
-    # seen 7.8e-5 off in the first call of a process for the half of the table its second thread computed (1 run in
-    # ~10 of examples/loop_depth.py failed this check at 1e-5).
+    # atol 1e-3: a wrong base or head_dim is off by far more within a few positions, while the table's own maths may
+    # differ a little from ours (another device or math library; MKL's first-call race, see tinyloop_hf/mkl_warmup.py,
+    # made examples/loop_depth.py fail this check at 1e-5 in ~1 run of 10 before the warm-up).
     if ours.shape != stored.shape or not torch.allclose(ours, stored.float(), atol=1e-3):
         raise ConversionError("freqs_cis stored in the Huginn checkpoint does not match rope_base / head_dim")
 

@@ -14,6 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .mkl_warmup import warm_up
+
+warm_up()  # before the reference path's first multi-threaded unary op (see mkl_warmup)
+
 REFERENCE = "reference"
 
 _REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {}
