@@ -219,7 +219,7 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
     attention_floats = gq * D + 2 * D + (threads - 32) // 32 * maxg * (D + 2)
     splits = max(1, ctas // Hkv if SPLITS is None else min(SPLITS, ctas // Hkv))
-    stage_bytes = max(F, H, Hq * D) * shapes.itemsize
+    stage_bytes = widest * shapes.itemsize
     while splits > 1 and 4 * gq * splits * (D + 2) > max(stage_bytes, 4 * attention_floats):
         splits -= 1  # the split merge's states must fit in the stage
     stage_bytes = max(stage_bytes, 4 * attention_floats, 4 * gq * splits * (D + 2))

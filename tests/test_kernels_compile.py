@@ -13,13 +13,13 @@ from tinyloop_hf.kernels import ops_cuda
 from tinyloop_hf.kernels.ptxas_report import compile_log
 
 
-def _compile(file: str, names: list[str], arch: str = "compute_80") -> tuple[int, str]:
+def _compile(file: str, names: list[str], arch: str = "compute_80", options: tuple[str, ...] = ()) -> tuple[int, str]:
     try:
         import nvidia.cuda_nvrtc  # noqa: F401
         import nvidia.cuda_runtime  # noqa: F401
     except ImportError:
         pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12; they are missing")
-    return compile_log(file, names, arch)
+    return compile_log(file, names, arch, options)
 
 
 @pytest.mark.parametrize("file", sorted(ops_cuda.instantiations(full=False)))
@@ -51,12 +51,8 @@ def test_the_fused_decode_kernel_assembles_for_sm90():
 def test_the_384_thread_fused_kernel_assembles_without_spills():
     """The fused kernel in 12-warp CTAs (the default where the shapes fit: 168 registers a thread instead of 128,
     3 QKV units per warp task, down split to fit 11 consumer warps) through ptxas, with no spill stores at bf16 MHA."""
-    try:
-        import nvidia.cuda_nvrtc  # noqa: F401
-    except ImportError:
-        pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12; it is missing")
-    status, log = compile_log("fused_decode.cu", ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"], "sm_90",
-                              ("--ptxas-options=-v",))  # fmt: skip
+    status, log = _compile("fused_decode.cu", ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"], arch="sm_90",
+                           options=("--ptxas-options=-v",))  # fmt: skip
     assert status == 0, log
     assert "Used 168 registers" in log and " 0 bytes spill stores" in log, log
 
