@@ -103,6 +103,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the step as one kernel where it serves it (kernels/fused_decode.cu; the default)")
     parser.add_argument("--fused-threads", type=int, choices=(384, 512),
                         help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
+    parser.add_argument("--plain-fused-launch", action="store_true",
+                        help="the fused kernel launched without the cooperative attribute (its default)")
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
@@ -124,6 +126,7 @@ def apply_switches(args: argparse.Namespace) -> None:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
+    fused_decode.COOPERATIVE = not args.plain_fused_launch
     patch_sources(args.without)
 
 
@@ -132,6 +135,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
     label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
+    label += ", plain launch" if model._cuda_path.fused.steps and args.plain_fused_launch else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""

@@ -46,15 +46,16 @@ def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor) -
     import cupy
 
     fused = model._cuda_path.fused
-    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     apps = model.config.num_loops * model.config.num_loop_layers
     fused.drop()
-    fused.trace = torch.zeros(apps * 16 * grid, dtype=torch.int64, device="cuda")
+    fused.trace = torch.zeros(apps * 16 * sms, dtype=torch.int64, device="cuda")  # the grid is at most one CTA an SM
     with torch.no_grad():
         for _ in range(2):
             model(step, past_key_values=cache, use_cache=True)
     torch.cuda.synchronize()
-    ticks = fused.trace.view(apps, 16, grid).cpu().double()
+    grid = next(plan.grid for plan in fused.plans.values() if not isinstance(plan, str))  # SPARE_SMS fewer than sms
+    ticks = fused.trace[: apps * 16 * grid].view(apps, 16, grid).cpu().double()
     fused.trace = None
     fused.drop()
     ghz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e6

@@ -33,6 +33,12 @@ SPLITS: int | None = None
 # the Ouro-1.4B shape with no SM spare: replays 2.49 ms but 3.35 ms per token, the GPU idle 0.87 ms between replays;
 # 2 or 4 spare: 2.52 ms per token, 40 us idle. At 8 spare (124 CTAs) that shape's plan outgrows shared memory.
 SPARE_SMS = 4
+# The kernel's CTAs wait on one another, so all must be resident at once. A cooperative launch guarantees it (or fails
+# with a clear CUresult): without it two fused steps queued on two streams of one GPU (two models decoding at once)
+# could each get part of the SMs and spin until SPIN_LIMIT traps. H200, Ouro-1.4B shape: 2.473 ms per replay
+# cooperative against 2.475 / 2.479 plain (twenty-second session). Off only for that A/B
+# (``ablate_decode --plain-fused-launch``).
+COOPERATIVE = True
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 # CTA sizes, in the order tried: 384 threads (11 consumer warps, 168 registers, no spills) where a staged vector fits
 # their STAGE_WORDS words each, else 512 (15 consumer warps at the 128-register cap). H200, Ouro-1.4B shape: 2.47 ms
@@ -418,7 +424,7 @@ class FusedDecode:
         if function.max_dynamic_shared_size_bytes != plan.smem:
             function.max_dynamic_shared_size_bytes = plan.smem
         launch(function, (plan.grid,), (plan.threads,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
-               shared_mem=plan.smem)  # fmt: skip
+               shared_mem=plan.smem, cooperative=COOPERATIVE)  # fmt: skip
         for slot in plan.slots:
             cache.mark_written(slot)
         self.steps += 1

@@ -101,12 +101,15 @@ def launch(
     shared_mem: int = 0,
     dependent: bool = False,
     cluster: int = 1,
+    cooperative: bool = False,
 ) -> None:
     """Launch ``fn`` on PyTorch's current stream. ``dependent``: a kernel that calls pdl_wait() before reading
     earlier kernels' outputs; inside a CUDA-graph capture on sm_90+ it is launched with programmatic dependent
     launch, so its start (and its first weight loads) overlap the previous kernel's end; eager, it stays a plain CuPy
     launch (the ctypes launch costs more host time than it saves outside graphs). ``cluster`` > 1: every
-    ``cluster`` consecutive CTAs along grid z form a thread-block cluster (sm_90+; always a ctypes launch)."""
+    ``cluster`` consecutive CTAs along grid z form a thread-block cluster (sm_90+; always a ctypes launch).
+    ``cooperative``: every CTA is resident at once or the launch fails (kernels whose CTAs wait on one another);
+    two such launches on two streams never share the GPU partly resident (always a ctypes launch)."""
     stream = torch.cuda.current_stream().cuda_stream
     attributes = []
     # The capture test first: eager launches (hundreds per eager step) then skip the device-capability lookup.
@@ -114,6 +117,8 @@ def launch(
         attributes.append(_LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1))
     if cluster > 1:
         attributes.append(_LaunchAttribute(id=_CLUSTER_DIMENSION, value=1, value_y=1, value_z=cluster))
+    if cooperative:
+        attributes.append(_LaunchAttribute(id=_COOPERATIVE, value=1))
     if attributes:
         _launch_ex(fn, grid, block, args, shared_mem, stream, attributes)
         return
@@ -129,6 +134,7 @@ def launch(
 PROGRAMMATIC_LAUNCH = True
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_COOPERATIVE = 2  # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
 
 
 class _LaunchAttribute(ctypes.Structure):
