@@ -389,3 +389,20 @@ def test_residual_junctions_are_programmatic_only_in_multi_row_steps(launches, m
     programmatic = ops_cuda.JUNCTION_PROGRAMMATIC_ROWS <= batch <= ops_cuda.JUNCTION_PROGRAMMATIC_MAX_ROWS
     assert all(dependent == programmatic for dependent, *_ in junctions)
     assert all(name.endswith(f", {'true' if programmatic else 'false'}>") for _, _, name, _ in junctions)
+
+
+def test_a_cooperative_launch_carries_the_attribute(monkeypatch):
+    """loader.launch(cooperative=True) goes through cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_COOPERATIVE (2) set to
+    1 (the fused decode kernel's launch); a plain launch of the same function carries no attribute."""
+    from tinyloop_hf.kernels import loader
+
+    seen: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 7})())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(loader, "_launch_ex", lambda fn, grid, block, args, smem, stream, attributes: seen.append(
+        [(a.id, a.value) for a in attributes]))
+    plain: list = []
+    loader.launch(lambda *a, **k: plain.append(a), (128,), (384,), (), shared_mem=1024, cooperative=True)
+    assert seen == [[(2, 1)]] and plain == []
+    loader.launch(lambda *a, **k: plain.append(a), (128,), (384,), (), shared_mem=1024)
+    assert len(seen) == 1 and len(plain) == 1
