@@ -150,17 +150,11 @@ def test_steps_the_kernel_does_not_serve_run_op_by_op():
 
 _TWO_STREAMS = """
 import sys, torch
-sys.path.insert(0, {tests!r})
-from helpers import tiny_model
-from tinyloop_hf import TinyLoopQuantConfig
-from tinyloop_hf.convert.quantize import quantize_model
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_fused_decode import _model
 from tinyloop_hf.kernels import fused_decode
 fused_decode.FUSED_DECODE = True
-models = []
-for seed in (0, 1):
-    model = tiny_model("ouro", seed, hidden_size=512, intermediate_size=1024, num_attention_heads=4)
-    quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=32), progress=False)
-    models.append(model.to("cuda", torch.bfloat16).use_cuda_path(cuda_graphs=False))
+models = [_model("ouro", seed=seed).use_cuda_path(cuda_graphs=False) for seed in (0, 1)]
 ids = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(5)).cuda()
 
 def run(model, cache, t):
@@ -189,7 +183,7 @@ print("ok")
 def test_two_models_decoding_at_once_on_two_streams():
     """Two fused steps queued on two streams of one GPU: a launch that left both partly resident would spin until its
     poll limit traps (which kills the CUDA context, hence the subprocess). The cooperative launch keeps each whole."""
-    script = _TWO_STREAMS.format(tests=str(Path(__file__).parents[1]))
+    script = _TWO_STREAMS.format(tests=str(Path(__file__).parents[1]), here=str(Path(__file__).parent))
     # -P: the installed package, as the test process imports it (not the source folder the working directory holds)
     done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
