@@ -52,6 +52,7 @@ _FOLD_GEMV = """    if constexpr (BITS != 8) {  // ablate_decode --without gemv-
     }
 """
 _T2 = "    using T2 = typename Vec2<T>::type;\n"
+_FUSED_MATH_LOOP = "    for (int c = c0 + lane; c < c1; c += 32) {\n        uint4 xv[4][1][1];"
 # --without NAME: (source file, text, replacement) patches. Each text must occur once in the current source
 # (tests/test_kernels_compile.py checks it and that the patched kernels compile). The CUDA-core GEMV's INT8 path (the LM
 # head) is left as it is.
@@ -63,6 +64,14 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
                "xv[nt][v] = make_uint4(lane, token, v, first);")],
     "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, {sums});",
                   _FOLD_MMA.replace("SUMS", sums)) for sums in ("step", "acc")],
+    # The fused decode kernel (batch 1): its projection loops emptied (fused_profile --no-math); or its weight stream
+    # off (the producer warp issues nothing, the consumers never wait for a slot and multiply whatever the slots hold):
+    # what the stream adds to the step, math kept. H200, Ouro-1.4B shape: 2.195 ms against 2.481 (twenty-third session).
+    "fused-math": [("fused_decode.cu", _FUSED_MATH_LOOP, _FUSED_MATH_LOOP.replace("c < c1", "c < c0"))],
+    "fused-weights": [
+        ("fused_decode.cu", "        if (threadIdx.x != 0) return;\n", "        return;  // --without fused-weights\n"),
+        ("fused_decode.cu", "for (int k = 0; k < W.slot_batches[s]; ++k) {", "for (int k = 0; k < 0; ++k) {"),
+    ],
 }  # fmt: skip
 
 

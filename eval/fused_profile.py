@@ -17,29 +17,14 @@ import statistics
 import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
-from tinyloop_hf.kernels import fused_decode, loader
+from tinyloop_hf.kernels import fused_decode
 
+from .ablate_decode import patch_sources
 from .bench import base_model, build_ours
 from .profile_decode import gpu_ms
 
 PHASES = ["P1 poll + junction", "P1 slot wait", "P1 QKV", "P2 q/k/v poll", "P2 attention", "P3 poll", "P3 slot wait",
           "P3 O", "P4 poll + junction", "P4 slot wait", "P4 gate/up", "P5 poll", "P5 slot wait", "P5 down"]  # fmt: skip
-_MATH_LOOP = "    for (int c = c0 + lane; c < c1; c += 32) {\n        uint4 xv[4][1][1];"
-
-
-def compile_without_math() -> None:
-    """Compile fused_decode.cu with smem_dots' loop emptied (before the kernel is first compiled)."""
-    original = loader.source
-
-    def patched(file: str, _seen: set[str] | None = None) -> str:
-        text = original(file, _seen)
-        if file == "fused_decode.cu":
-            if text.count(_MATH_LOOP) != 1:
-                raise ValueError("fused_profile: the --no-math patch no longer matches fused_decode.cu")
-            text = text.replace(_MATH_LOOP, _MATH_LOOP.replace("c < c1", "c < c0"))
-        return text
-
-    loader.source = patched
 
 
 def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor) -> str:
@@ -88,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     fused_decode.SPLITS = args.splits
     if args.no_math:
-        compile_without_math()
+        patch_sources(["fused-math"])  # before the kernel is first compiled
     base = base_model(4, 4096)
     ids = torch.randint(1, 49152, (1, args.context), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     for fused in (True, False) if args.replay else (True,):

@@ -64,6 +64,12 @@ def test_the_megakernel_probes_compile(probe):
     assert status == 0, log
 
 
+def test_the_cluster_probe_compiles():
+    """eval/cluster_probe.py's kernel (a measurement, not used by the model), through ptxas for sm_90."""
+    status, log = _compile("cluster_probe.cu", ["cluster_probe"], arch="sm_90")
+    assert status == 0, log
+
+
 def test_the_persistent_probe_compiles():
     """eval/persistent_probe.py's kernels (a measurement, not used by the model), through ptxas for sm_90."""
     status, log = _compile("persistent_probe.cu", ["probe_phase", "probe_chain"], arch="sm_90")
@@ -80,10 +86,11 @@ _ABLATED_KERNELS = {
                       "gemv_quant<4, __half, 8, 4, true, 4, false>"],
     "gemm_quant_mma.cu": ["gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>",
                           "gemm_quant_mma<2, __half, 1, true, false, 16, false>"],
+    "fused_decode.cu": ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"],
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("removed", ["gemv-x", "gemv-math", "mma-x", "mma-math"])
+@pytest.mark.parametrize("removed", ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights"])
 def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
     """eval/ablate_decode.py --without: each patch still matches its kernel's source (once) and changes it, and the
     patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
@@ -91,7 +98,7 @@ def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, 
     from tinyloop_hf.kernels import loader
 
     monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
-    file = "gemm_quant_mma.cu" if removed.startswith("mma") else "gemv_quant.cu"
+    file = {"mma": "gemm_quant_mma.cu", "fus": "fused_decode.cu"}.get(removed[:3], "gemv_quant.cu")
     assert {target for target, _, _ in WITHOUT[removed]} <= {file, "gemv_dot.cuh"}
     unpatched = loader.source(file)
     patch_sources([removed])
