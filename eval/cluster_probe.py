@@ -57,7 +57,7 @@ def main() -> None:
 
     def run(mode: int, rounds: int, cluster: int, cooperative: bool) -> None:
         nonlocal base
-        args = (np.int32(mode), np.int32(rounds), np.uint32(base), loader.ptr(words), loader.ptr(sink),
+        args = (np.int32(mode), np.int32(rounds), np.int32(base), loader.ptr(words), loader.ptr(sink),
                 loader.ptr(cycles))  # fmt: skip
         base += rounds
         loader.launch(fn, (1, 1, GRID), (THREADS,), args, SHARED, cluster=cluster, cooperative=cooperative)

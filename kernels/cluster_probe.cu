@@ -23,7 +23,7 @@ __device__ __forceinline__ unsigned probe_poll(const uint2* p, unsigned seq) {
 }
 
 // One CTA per SM (the host asks for most of its shared memory); CTA index along z, as loader.launch forms clusters.
-extern "C" __global__ void cluster_probe(int mode, int rounds, unsigned base, uint2* words, float* sink,
+extern "C" __global__ void cluster_probe(int mode, int rounds, int base, uint2* words, float* sink,
                                          unsigned long long* cycles) {
     extern __shared__ float exchange[];  // [2][256]: one buffer per round parity
     const int cta = blockIdx.z, grid = gridDim.z;
@@ -33,7 +33,7 @@ extern "C" __global__ void cluster_probe(int mode, int rounds, unsigned base, ui
     __syncthreads();
     const unsigned long long start = clock64();
     for (int i = 0; i < rounds; ++i) {
-        const unsigned seq = base + i + 1;
+        const unsigned seq = static_cast<unsigned>(base + i + 1);
         if (mode == 0) {
             cluster_barrier();
         } else if (mode == 1) {

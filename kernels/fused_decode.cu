@@ -738,6 +738,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             float v[8];
             const uint4 w_branch = norm_weight(ldg_ptr(&app->norm[1])), w_post = norm_weight(ldg_ptr(&app->norm[2]));
             poll_vec(P.o_ll, seq_of(epoch, apps, a, PH_O), v);
+            mark(a, 15);  // the poll's end (the trace's last slot): fused_profile tells the poll from the junction
             junction(v, w_branch);
             store_x(v);
             normalize<T, CONSUMERS>(v, owned, w_post, H, eps, red, turn);
