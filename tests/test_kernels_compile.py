@@ -90,7 +90,9 @@ _ABLATED_KERNELS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("removed", ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights"])
+@pytest.mark.parametrize(
+    "removed", ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights", "fused-norm-loads"]
+)
 def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
     """eval/ablate_decode.py --without: each patch still matches its kernel's source (once) and changes it, and the
     patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
