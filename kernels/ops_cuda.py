@@ -22,7 +22,7 @@ from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
 from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import QuantLinear
 
-from . import attention_block
+from . import attention_block, fused_decode
 from .loader import (
     CUDA_TYPE,
     CudaPathUnavailable,
@@ -77,6 +77,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
                                for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
                                for s in (0, 1) if full or (d, g, w, s) == (128, 1, 12, 0)],
+        "fused_decode.cu": [f"fused::fused_decode<{t}, {d}, {g}, {n}>" for t in types for d in (64, 128, 256)
+                            for g in (1, 2, 4, 8) for n in fused_decode.THREAD_CHOICES
+                            if full or (t, d, g, n) == ("__nv_bfloat16", 128, 1, 384)],
     }  # fmt: skip
 
 

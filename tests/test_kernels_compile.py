@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tinyloop_hf.kernels import ops_cuda
-from tinyloop_hf.kernels.ptxas_report import compile_log
+from tinyloop_hf.kernels.ptxas_report import code_bytes, compile_log, compile_program
 
 
 def _compile(file: str, names: list[str], arch: str = "compute_80", options: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -62,6 +62,22 @@ def test_the_megakernel_probes_compile(probe):
     """eval/ring_probe.py's and eval/pipe_probe.py's kernels (measurements, not used by the model), for sm_90."""
     status, log = _compile(f"{probe}.cu", [probe], arch="sm_90")
     assert status == 0, log
+
+
+def test_code_sizes_are_read_per_entry_from_the_cubin():
+    """ptxas_report's code sizes: one per compiled entry (the names ptxas reports), whole sm_90 instructions (16
+    bytes each), and a kernel that does more is larger (residual_norm against rms_norm)."""
+    _compile("norm.cu", [])  # the wheels' check
+    names = ["rms_norm<__nv_bfloat16>", "residual_norm<__nv_bfloat16, false>"]
+    status, log, cubin = compile_program("norm.cu", names, "sm_90", ("--ptxas-options=-v",))
+    assert status == 0, log
+    entries = {line.split("'")[1] for line in log.splitlines() if "Compiling entry" in line}
+    sizes = code_bytes(cubin)
+    assert set(sizes) == entries and len(entries) == 2
+    assert all(size > 0 and size % 16 == 0 for size in sizes.values())
+    rms, residual = (next(size for entry, size in sizes.items() if entry.startswith(prefix))
+                     for prefix in ("_Z8rms_norm", "_Z13residual_norm"))  # fmt: skip
+    assert residual > rms
 
 
 def test_the_cluster_probe_compiles():
