@@ -80,9 +80,31 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
 }  # fmt: skip
 
 
+_PREFETCH_L1 = ('if (owned && PTR != nullptr) asm volatile("prefetch.global.L1 [%0];" '
+                '::"l"(static_cast<const uint4*>(PTR) + vec));')  # fmt: skip
+# --variant NAME: candidate changes not yet measured, as patches of the same form (outputs unchanged, unlike WITHOUT's).
+VARIANTS: dict[str, list[tuple[str, str, str]]] = {
+    # The fused kernel prefetches each thread's columns of the next junctions' norm weights into L1 a phase ahead
+    # (P4's at QKV's slot wait, the next P1's at gate/up's): a CTA whose poll returns at once, the last one served,
+    # would otherwise wait for the application table's pointer and then the weights before its reductions.
+    "fused-norm-prefetch": [
+        ("fused_decode.cu", "            mark(a, 2);\n", "            mark(a, 2);\n" + "".join(
+            f"            {_PREFETCH_L1.replace('PTR', f'ldg_ptr(&app->norm[{k}])')}\n" for k in (1, 2))),
+        ("fused_decode.cu", "            mark(a, 10);\n", "            mark(a, 10);\n"
+         f"            {_PREFETCH_L1.replace('PTR', 'ldg_ptr(&app->norm[3])')}\n"
+         f"            if (a + 1 < apps) {{ {_PREFETCH_L1.replace('PTR', 'ldg_ptr(&(app + 1)->norm[0])')} }}\n"),
+    ],
+    # smem_dots not inlined, so O and down share one R = 4 copy: the layer application's loop body shrinks from 139
+    # to 75 KiB of SASS (kernel 191 -> 156 KiB; sm_90 bf16 head_dim 128: 168 registers, no spills, a 176-byte stack
+    # frame), in case the body, run through once per application, outgrows the SM's instruction cache.
+    "fused-dots-noinline": [("fused_decode.cu", "__device__ __forceinline__ void smem_dots(",
+                             "__device__ __noinline__ void smem_dots(")],
+}  # fmt: skip
+
+
 def patch_sources(names: list[str]) -> None:
-    """Compile the kernels with the WITHOUT patches ``names`` applied (before any kernel is compiled)."""
-    patches = [patch for name in names for patch in WITHOUT[name]]
+    """Compile the kernels with the WITHOUT or VARIANTS patches ``names`` applied (before any kernel is compiled)."""
+    patches = [patch for name in names for patch in {**WITHOUT, **VARIANTS}[name]]
     original = loader.source
 
     def patched(file: str, _seen: set[str] | None = None) -> str:
@@ -104,6 +126,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=192, help="cached tokens before the measured step")
     parser.add_argument("--without", nargs="*", default=[], choices=sorted(WITHOUT),
                         help="work removed from the projections' loops (activation loads, math)")
+    parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
+                        help="candidate kernel changes, compiled in by source patches")
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
@@ -141,7 +165,7 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
     fused_decode.COOPERATIVE = not args.plain_fused_launch
-    patch_sources(args.without)
+    patch_sources(args.without + args.variant)
 
 
 def switches_label(args: argparse.Namespace, model: Any) -> str:
@@ -196,6 +220,7 @@ def main() -> None:
     replay = warmed_decode_step(model, args, after_prompt=lambda: skip_kernels(args.skip))
     time = gpu_ms(replay, repeats=20)
     removed = f", without {' '.join(args.without)}" if args.without else ""
+    removed += f", variant {' '.join(args.variant)}" if args.variant else ""
     print(f"batch {args.batch}{switches_label(args, model)}, skipped {args.skip or 'nothing'}{removed}: "
           f"{time:.3f} ms per graph replay")  # fmt: skip
 

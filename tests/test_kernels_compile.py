@@ -107,20 +107,23 @@ _ABLATED_KERNELS = {
 
 
 @pytest.mark.parametrize(
-    "removed", ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights", "fused-norm-loads"]
-)
+    "removed",
+    ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights", "fused-norm-loads",
+     "fused-norm-prefetch", "fused-dots-noinline"],
+)  # fmt: skip
 def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
-    """eval/ablate_decode.py --without: each patch still matches its kernel's source (once) and changes it, and the
-    patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
-    from tinyloop_hf.eval.ablate_decode import WITHOUT, patch_sources
+    """eval/ablate_decode.py --without / --variant: each patch still matches its kernel's source (once) and changes
+    it, and the patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
+    from tinyloop_hf.eval.ablate_decode import VARIANTS, WITHOUT, patch_sources
     from tinyloop_hf.kernels import loader
 
+    patches = {**WITHOUT, **VARIANTS}[removed]
     monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
     file = {"mma": "gemm_quant_mma.cu", "fus": "fused_decode.cu"}.get(removed[:3], "gemv_quant.cu")
-    assert {target for target, _, _ in WITHOUT[removed]} <= {file, "gemv_dot.cuh"}
+    assert {target for target, _, _ in patches} <= {file, "gemv_dot.cuh"}
     unpatched = loader.source(file)
     patch_sources([removed])
     patched = loader.source(file)
-    assert patched != unpatched and all(new in patched for _, _, new in WITHOUT[removed])
+    assert patched != unpatched and all(new in patched for _, _, new in patches)
     status, log = _compile(file, _ABLATED_KERNELS[file])
     assert status == 0, log
