@@ -80,8 +80,8 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
 }  # fmt: skip
 
 
-_PREFETCH_L1 = ('if (owned && PTR != nullptr) asm volatile("prefetch.global.L1 [%0];" '
-                '::"l"(static_cast<const uint4*>(PTR) + vec));')  # fmt: skip
+_PREFETCH_L1 = ('{ const void* w = PTR; if (owned && w != nullptr) asm volatile("prefetch.global.L1 [%0];" '
+                '::"l"(static_cast<const uint4*>(w) + vec)); }')  # fmt: skip
 # --variant NAME: candidate changes not yet measured, as patches of the same form (outputs unchanged, unlike WITHOUT's).
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # The fused kernel prefetches each thread's columns of the next junctions' norm weights into L1 a phase ahead
@@ -92,7 +92,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
             f"            {_PREFETCH_L1.replace('PTR', f'ldg_ptr(&app->norm[{k}])')}\n" for k in (1, 2))),
         ("fused_decode.cu", "            mark(a, 10);\n", "            mark(a, 10);\n"
          f"            {_PREFETCH_L1.replace('PTR', 'ldg_ptr(&app->norm[3])')}\n"
-         f"            if (a + 1 < apps) {{ {_PREFETCH_L1.replace('PTR', 'ldg_ptr(&(app + 1)->norm[0])')} }}\n"),
+         f"            if (a + 1 < apps) {_PREFETCH_L1.replace('PTR', 'ldg_ptr(&(app + 1)->norm[0])')}\n"),
     ],
     # smem_dots not inlined, so O and down share one R = 4 copy: the layer application's loop body shrinks from 139
     # to 75 KiB of SASS (kernel 191 -> 156 KiB; sm_90 bf16 head_dim 128: 168 registers, no spills, a 176-byte stack
@@ -100,11 +100,12 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fused-dots-noinline": [("fused_decode.cu", "__device__ __forceinline__ void smem_dots(",
                              "__device__ __noinline__ void smem_dots(")],
 }  # fmt: skip
+PATCHES = {**WITHOUT, **VARIANTS}
 
 
 def patch_sources(names: list[str]) -> None:
-    """Compile the kernels with the WITHOUT or VARIANTS patches ``names`` applied (before any kernel is compiled)."""
-    patches = [patch for name in names for patch in {**WITHOUT, **VARIANTS}[name]]
+    """Compile the kernels with the PATCHES ``names`` (WITHOUT or VARIANTS) applied (before any kernel is compiled)."""
+    patches = [patch for name in names for patch in PATCHES[name]]
     original = loader.source
 
     def patched(file: str, _seen: set[str] | None = None) -> str:

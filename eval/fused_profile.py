@@ -44,18 +44,18 @@ def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor) -
     fused.trace = None
     fused.drop()
     ghz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e6
+
+    def row(name: str, spans: torch.Tensor) -> str:
+        values = spans.flatten().tolist()
+        return f"| {name} | {statistics.median(values) / 1e3 / ghz:.2f} | {max(values) / 1e3 / ghz:.2f} |"
+
     lines = ["| phase | median us | max us |", "|---|---|---|"]
     for k, name in enumerate(PHASES, start=1):
         spans = ticks[2:, k] - ticks[2:, k - 1]
-        spans = spans[:, :128] if name.startswith("P2") else spans  # CTAs with an attention split
-        values = spans.flatten().tolist()
-        lines.append(f"| {name} | {statistics.median(values) / 1e3 / ghz:.2f} | {max(values) / 1e3 / ghz:.2f} |")
+        lines.append(row(name, spans[:, :128] if name.startswith("P2") else spans))  # CTAs with an attention split
     for name, begin, end in (("P4 poll alone", 8, 15), ("P4 junction alone", 15, 9)):  # mark 15: the poll's end
-        values = (ticks[2:, end] - ticks[2:, begin]).flatten().tolist()
-        lines.append(f"| {name} | {statistics.median(values) / 1e3 / ghz:.2f} | {max(values) / 1e3 / ghz:.2f} |")
-    per_app = (ticks[3:, 0] - ticks[2:-1, 0]).flatten().tolist()
-    median, worst = statistics.median(per_app) / 1e3 / ghz, max(per_app) / 1e3 / ghz
-    lines.append(f"| layer application | {median:.2f} | {worst:.2f} |")
+        lines.append(row(name, ticks[2:, end] - ticks[2:, begin]))
+    lines.append(row("layer application", ticks[3:, 0] - ticks[2:-1, 0]))
     return "\n".join(lines)
 
 

@@ -13,12 +13,16 @@ from tinyloop_hf.kernels import ops_cuda
 from tinyloop_hf.kernels.ptxas_report import code_bytes, compile_log, compile_program
 
 
-def _compile(file: str, names: list[str], arch: str = "compute_80", options: tuple[str, ...] = ()) -> tuple[int, str]:
+def _require_wheels() -> None:
     try:
         import nvidia.cuda_nvrtc  # noqa: F401
         import nvidia.cuda_runtime  # noqa: F401
     except ImportError:
         pytest.fail("the test extra installs nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12; they are missing")
+
+
+def _compile(file: str, names: list[str], arch: str = "compute_80", options: tuple[str, ...] = ()) -> tuple[int, str]:
+    _require_wheels()
     return compile_log(file, names, arch, options)
 
 
@@ -67,7 +71,7 @@ def test_the_megakernel_probes_compile(probe):
 def test_code_sizes_are_read_per_entry_from_the_cubin():
     """ptxas_report's code sizes: one per compiled entry (the names ptxas reports), whole sm_90 instructions (16
     bytes each), and a kernel that does more is larger (residual_norm against rms_norm)."""
-    _compile("norm.cu", [])  # the wheels' check
+    _require_wheels()
     names = ["rms_norm<__nv_bfloat16>", "residual_norm<__nv_bfloat16, false>"]
     status, log, cubin = compile_program("norm.cu", names, "sm_90", ("--ptxas-options=-v",))
     assert status == 0, log
@@ -114,10 +118,10 @@ _ABLATED_KERNELS = {
 def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
     """eval/ablate_decode.py --without / --variant: each patch still matches its kernel's source (once) and changes
     it, and the patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
-    from tinyloop_hf.eval.ablate_decode import VARIANTS, WITHOUT, patch_sources
+    from tinyloop_hf.eval.ablate_decode import PATCHES, patch_sources
     from tinyloop_hf.kernels import loader
 
-    patches = {**WITHOUT, **VARIANTS}[removed]
+    patches = PATCHES[removed]
     monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
     file = {"mma": "gemm_quant_mma.cu", "fus": "fused_decode.cu"}.get(removed[:3], "gemv_quant.cu")
     assert {target for target, _, _ in patches} <= {file, "gemv_dot.cuh"}
