@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tinyloop_hf.eval.ablate_decode import PATCHES
 from tinyloop_hf.kernels import ops_cuda
 from tinyloop_hf.kernels.ptxas_report import code_bytes, compile_log, compile_program
 
@@ -110,15 +111,11 @@ _ABLATED_KERNELS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "removed",
-    ["gemv-x", "gemv-math", "mma-x", "mma-math", "fused-math", "fused-weights", "fused-norm-loads",
-     "fused-norm-prefetch", "fused-dots-noinline"],
-)  # fmt: skip
+@pytest.mark.parametrize("removed", sorted(PATCHES))
 def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, removed):
     """eval/ablate_decode.py --without / --variant: each patch still matches its kernel's source (once) and changes
     it, and the patched kernels compile (with POST_SCALE and without, for the tensor-core kernel's two call sites)."""
-    from tinyloop_hf.eval.ablate_decode import PATCHES, patch_sources
+    from tinyloop_hf.eval.ablate_decode import patch_sources
     from tinyloop_hf.kernels import loader
 
     patches = PATCHES[removed]
