@@ -98,60 +98,6 @@ _ACC4 = """            {  // --variant fused-acc4
                 acc[r] += scale * (f.x + f.y);
             }
 """
-_POLL_LOOP = """    while (true) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-            if (!done[i]) ll_load(p[i], v[i]);
-        bool all = true;
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            if (!done[i]) {
-                if (ll_ready(v[i], seq)) {
-                    ll_payload(v[i], out[i]);
-                    done[i] = true;
-                } else {
-                    all = false;
-                }
-            }
-        }
-        if (all) return;
-        if (++spins > SPIN_LIMIT) __trap();
-        __nanosleep(POLL_BACKOFF_NS);
-    }
-"""
-# Two rounds of loads in flight, STAGGER ns apart: each round is checked only after the next one has been issued.
-_POLL_PIPELINED = """    Word w[N];  // --variant fused-poll-pipelined
-    auto issue = [&](Word (&into)[N]) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-            if (!done[i]) ll_load(p[i], into[i]);
-    };
-    auto check = [&](const Word (&got)[N]) {
-        bool all = true;
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-            if (!done[i]) {
-                if (ll_ready(got[i], seq)) {
-                    ll_payload(got[i], out[i]);
-                    done[i] = true;
-                } else {
-                    all = false;
-                }
-            }
-        }
-        return all;
-    };
-    issue(v);
-    while (true) {
-        __nanosleep(STAGGER);
-        issue(w);
-        if (check(v)) return;
-        __nanosleep(STAGGER);
-        issue(v);
-        if (check(w)) return;
-        if (++spins > SPIN_LIMIT) __trap();
-    }
-"""
 # --variant NAME: candidate changes not yet measured, as patches of the same form (the work kept, unlike WITHOUT's).
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # The fused kernel's bf16 dots with the 4 words of a 32-column chunk (one quantization group) in one bf16x2 chain
@@ -160,11 +106,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # against 2.472 / 2.477 (twenty-fourth session). Not adopted: its rounding took the fused GPU tests' logits 1.5-2.2%
     # of their scale from the per-op path's (bound 1%) and 14% further from the reference on average.
     "fused-acc4": [("fused_decode.cu", _ACC_WORDS, _ACC4)],
-    # Its polls pipelined: a thread keeps two rounds of loads of its missing words in flight, issued STAGGER ns apart,
-    # so a word that arrives is seen about half a round trip sooner than with one round at a time (which waits a
-    # whole L2 round trip plus the backoff between samples); twice the polling traffic.
-    "fused-poll-pipelined": [("fused_decode.cu", _POLL_LOOP, _POLL_PIPELINED.replace("STAGGER", "64"))],
-    "fused-poll-pipelined-160": [("fused_decode.cu", _POLL_LOOP, _POLL_PIPELINED.replace("STAGGER", "160"))],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
