@@ -106,6 +106,12 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # against 2.472 / 2.477 (twenty-fourth session). Not adopted: its rounding took the fused GPU tests' logits 1.5-2.2%
     # of their scale from the per-op path's (bound 1%) and 14% further from the reference on average.
     "fused-acc4": [("fused_decode.cu", _ACC_WORDS, _ACC4)],
+    # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
+    # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
+    # though the producer's throttle never mattered) are in part the wake-up's latency.
+    "fused-slot-spin": [("fused_decode.cu", "            mbar_wait(&ring[b % RING], (b / RING) & 1);\n",
+                         "            for (unsigned long long n = 0; !mbar_test(&ring[b % RING], (b / RING) & 1);)\n"
+                         "                if (++n > SPIN_LIMIT) __trap();  // --variant fused-slot-spin\n")],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
