@@ -98,7 +98,7 @@ _ACC4 = """            {  // --variant fused-acc4
                 acc[r] += scale * (f.x + f.y);
             }
 """
-# --variant NAME: candidate changes not yet measured, as patches of the same form (the work kept, unlike WITHOUT's).
+# --variant NAME: candidate kernel changes and probes, as patches of the same form (the work kept, unlike WITHOUT's).
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # The fused kernel's bf16 dots with the 4 words of a 32-column chunk (one quantization group) in one bf16x2 chain
     # of 16 products, then one conversion, add and scale, instead of a chain per word: 12% fewer instructions in the
@@ -106,9 +106,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # against 2.472 / 2.477 (twenty-fourth session). Not adopted: its rounding took the fused GPU tests' logits 1.5-2.2%
     # of their scale from the per-op path's (bound 1%) and 14% further from the reference on average.
     "fused-acc4": [("fused_decode.cu", _ACC_WORDS, _ACC4)],
-    # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
-    # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
-    # though the producer's throttle never mattered) are in part the wake-up's latency.
     # Its split merge spread over the head's splits: each of a KV head's S attention CTAs merges D / (4 S) quads of
     # the head's output from every split's state, not split 0 all of them, so no CTA is the late one into the O
     # projection, at the price of 128 producers instead of 16 for the O projection's poll.
@@ -128,6 +125,9 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
          "for (int idx = ct; idx < Gq * nq; idx += CONSUMERS) {\n"
          "                    const int g = idx / nq, d0 = (q0 + idx % nq) * 4;\n"),
     ],
+    # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
+    # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
+    # though the producer's throttle never mattered) are in part the wake-up's latency.
     "fused-slot-spin": [("fused_decode.cu", "            mbar_wait(&ring[b % RING], (b / RING) & 1);\n",
                          "            for (unsigned long long n = 0; !mbar_test(&ring[b % RING], (b / RING) & 1);)\n"
                          "                if (++n > SPIN_LIMIT) __trap();  // --variant fused-slot-spin\n")],
