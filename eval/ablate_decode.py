@@ -125,6 +125,12 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
          "for (int idx = ct; idx < Gq * nq; idx += CONSUMERS) {\n"
          "                    const int g = idx / nq, d0 = (q0 + idx % nq) * 4;\n"),
     ],
+    # Its trace in the global timer's nanoseconds (%globaltimer, one clock for all SMs) instead of each SM's clock64:
+    # fused_profile --global-clock compares CTAs with each other (when the last producer of a hand-off finished,
+    # when its consumers saw the data).
+    "fused-global-clock": [("fused_decode.cu", "* gridDim.x + cta] = clock64();",
+                            "* gridDim.x + cta] = [] { unsigned long long t; "
+                            'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }();')],
     # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
     # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
     # though the producer's throttle never mattered) are in part the wake-up's latency.

@@ -231,3 +231,29 @@ def test_generate_steps_count_overlapping_kernels_once_and_idle_time_as_the_rest
     windows = step_windows(kernels, "head<8>")
     assert [(period, busy) for period, busy, _ in windows] == [(6.0, 4.0), (2.0, 1.0)]
     assert windows[0][2] == {"head<8>": 1.0, "layer": 3.0, "other_stream": 1.0}
+
+
+def test_fused_profile_hand_off_table_separates_the_producers_skew_from_the_hand_off():
+    """fused_profile --global-clock: with one producer CTA 300 ns behind the rest at every hand-off and every consumer
+    seeing the data 1,100 ns after that last producer (one consumer 200 ns later still), the table reports exactly
+    those three times."""
+    from tinyloop_hf.eval.fused_profile import HANDOFFS, handoff_table
+
+    apps, grid = 6, 8
+    ns = torch.zeros(apps, 16, grid, dtype=torch.float64)
+    for a in range(apps):
+        ns[a, :, :] = 1e6 * a + 1e3 * torch.arange(16, dtype=torch.float64)[:, None]  # marks 1 us apart
+    for _, produced, consumed, before in HANDOFFS:
+        for a in range(apps):
+            base = ns[a, produced, 0].item()
+            ns[a, produced, :] = base
+            ns[a, produced, 3] = base + 300.0  # the late producer
+            target = a + 1 if before else a
+            if target < apps:
+                ns[target, consumed, :] = base + 300.0 + 1100.0
+                ns[target, consumed, 5] += 200.0  # the late consumer
+    table = handoff_table(ns)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "hand-off" not in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == [name for name, *_ in HANDOFFS]
+    for row in rows:
+        assert row.split(" | ")[1:] == ["0.30", "1.10", "0.20 |"], row
