@@ -82,6 +82,9 @@ def handoff_table(ns: torch.Tensor) -> str:
     for name, produced, consumed, before in HANDOFFS:
         producers = ns[:-1, produced] if before else ns[:, produced]
         consumers = ns[1:, consumed] if before else ns[:, consumed]
+        # CTAs that never reach a mark (no attention split: marks 4 and 5) leave it 0.
+        producers = producers[:, (producers > 0).all(dim=0)]
+        consumers = consumers[:, (consumers > 0).all(dim=0)]
         last = producers.max(dim=1).values
         skew = last - producers.median(dim=1).values
         after = consumers.median(dim=1).values - last

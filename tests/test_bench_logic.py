@@ -236,7 +236,7 @@ def test_generate_steps_count_overlapping_kernels_once_and_idle_time_as_the_rest
 def test_fused_profile_hand_off_table_separates_the_producers_skew_from_the_hand_off():
     """fused_profile --global-clock: with one producer CTA 300 ns behind the rest at every hand-off and every consumer
     seeing the data 1,100 ns after that last producer (one consumer 200 ns later still), the table reports exactly
-    those three times."""
+    those three times; CTAs without an attention split (their attention marks never written) do not count."""
     from tinyloop_hf.eval.fused_profile import HANDOFFS, handoff_table
 
     apps, grid = 6, 8
@@ -251,7 +251,8 @@ def test_fused_profile_hand_off_table_separates_the_producers_skew_from_the_hand
             target = a + 1 if before else a
             if target < apps:
                 ns[target, consumed, :] = base + 300.0 + 1100.0
-                ns[target, consumed, 5] += 200.0  # the late consumer
+                ns[target, consumed, 1] += 200.0  # the late consumer
+    ns[:, 4:6, 4:] = 0.0  # half the CTAs attend nothing: marks 4 and 5 stay 0
     table = handoff_table(ns)
     rows = [line for line in table.splitlines() if line.startswith("| ") and "hand-off" not in line]
     assert [row.split(" | ")[0][2:] for row in rows] == [name for name, *_ in HANDOFFS]
