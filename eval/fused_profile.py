@@ -49,7 +49,7 @@ def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor, g
             model(step, past_key_values=cache, use_cache=True)
     torch.cuda.synchronize()
     grid = next(plan.grid for plan in fused.plans.values() if not isinstance(plan, str))  # SPARE_SMS fewer than sms
-    ticks = fused.trace[: apps * 16 * grid].view(apps, 16, grid).cpu().double()
+    ticks = as_float_ticks(fused.trace[: apps * 16 * grid].view(apps, 16, grid).cpu())
     fused.trace = None
     fused.drop()
     ghz = 1.0 if global_clock else cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] / 1e6  # ticks per ns
@@ -68,6 +68,15 @@ def trace_table(model: TinyLoopForCausalLM, cache: object, step: torch.Tensor, g
     if global_clock:
         lines += ["", handoff_table(ticks[2:])]
     return "\n".join(lines)
+
+
+def as_float_ticks(raw: torch.Tensor) -> torch.Tensor:
+    """int64 trace -> float64, every mark relative to the earliest (1 = the earliest; 0 stays 0, a mark never
+    reached): the global timer counts ~1.7e18 ns since the epoch, where a float64's 53 bits resolve only 256 ns."""
+    reached = raw > 0
+    if not reached.any():
+        return raw.double()
+    return torch.where(reached, raw - raw[reached].min() + 1, raw).double()
 
 
 def handoff_table(ns: torch.Tensor) -> str:

@@ -258,3 +258,13 @@ def test_fused_profile_hand_off_table_separates_the_producers_skew_from_the_hand
     assert [row.split(" | ")[0][2:] for row in rows] == [name for name, *_ in HANDOFFS]
     for row in rows:
         assert row.split(" | ")[1:] == ["0.30", "1.10", "0.20 |"], row
+
+
+def test_fused_profile_keeps_nanoseconds_of_a_global_timer_trace():
+    """The global timer's values (~1.7e18 ns) converted to float64 directly would lose everything below 256 ns."""
+    from tinyloop_hf.eval.fused_profile import as_float_ticks
+
+    epoch_ns = 1_764_000_000_000_000_000
+    raw = torch.tensor([[epoch_ns + 5, epoch_ns + 37, 0], [epoch_ns + 1000, epoch_ns + 1001, epoch_ns + 1133]])
+    ticks = as_float_ticks(raw)
+    assert ticks.tolist() == [[1.0, 33.0, 0.0], [996.0, 997.0, 1129.0]]
