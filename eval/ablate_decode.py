@@ -98,24 +98,6 @@ _ACC4 = """            {  // --variant fused-acc4
                 acc[r] += scale * (f.x + f.y);
             }
 """
-_O_QUADS = """            for (int q = cwarp; q < W.o_quads; q += CWARPS) {
-                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
-                float acc[4];
-                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
-                                acc);
-                if (lane == 0)
-                    ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
-            }
-"""
-_O_PAIRS = """            for (int p = cwarp; p < 2 * W.o_quads; p += CWARPS) {  // --variant fused-o-pairs
-                const int lrow[2] = {2 * p, 2 * p + 1};
-                float acc[2];
-                smem_dots<T, 2>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
-                                acc);
-                if (lane == 0)  // one 8-byte half {2 values, seq} of the quad's LL word
-                    ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);
-            }
-"""
 # --variant NAME: candidate kernel changes and probes, as patches of the same form (the work kept, unlike WITHOUT's).
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # The fused kernel's bf16 dots with the 4 words of a 32-column chunk (one quantization group) in one bf16x2 chain
@@ -152,7 +134,17 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # Its O projection in row pairs instead of quads: a CTA's 4 O quads kept 4 of its 11 consumer warps busy, each over
     # all 64 chunks; as 8 pairs, 8 warps with half the rows each. Each row's sum is computed exactly as before (split by
     # rows, not K), so the outputs are identical; each pair stores one 8-byte half of its quad's LL word.
-    "fused-o-pairs": [("fused_decode.cu", _O_QUADS, _O_PAIRS)],
+    "fused-o-pairs": [
+        ("fused_decode.cu", "for (int q = cwarp; q < W.o_quads; q += CWARPS) {\n"
+         "                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};\n"
+         "                float acc[4];\n                smem_dots<T, 4>(",
+         "for (int p = cwarp; p < 2 * W.o_quads; p += CWARPS) {  // --variant fused-o-pairs\n"
+         "                const int lrow[2] = {2 * p, 2 * p + 1};\n"
+         "                float acc[2];\n                smem_dots<T, 2>("),
+        ("fused_decode.cu",
+         "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
+         "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
+    ],
     # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
     # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
     # though the producer's throttle never mattered) are in part the wake-up's latency.
@@ -165,7 +157,7 @@ PATCHES = {**WITHOUT, **VARIANTS}
 
 def patch_sources(names: list[str]) -> None:
     """Compile the kernels with the PATCHES ``names`` (WITHOUT or VARIANTS) applied (before any kernel is compiled)."""
-    patches = [patch for name in names for patch in PATCHES[name]]
+    patches = [patch for name in dict.fromkeys(names) for patch in PATCHES[name]]  # a name twice: once
     original = loader.source
 
     def patched(file: str, _seen: set[str] | None = None) -> str:
