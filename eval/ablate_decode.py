@@ -106,25 +106,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # against 2.472 / 2.477 (twenty-fourth session). Not adopted: its rounding took the fused GPU tests' logits 1.5-2.2%
     # of their scale from the per-op path's (bound 1%) and 14% further from the reference on average.
     "fused-acc4": [("fused_decode.cu", _ACC_WORDS, _ACC4)],
-    # Its split merge spread over the head's splits: each of a KV head's S attention CTAs merges D / (4 S) quads of
-    # the head's output from every split's state, not split 0 all of them, so no CTA is the late one into the O
-    # projection, at the price of 128 producers instead of 16 for the O projection's poll.
-    "fused-merge-spread": [
-        ("fused_decode.cu", "            if (split == 0) {\n",
-         "            {  // --variant fused-merge-spread: every split merges its share of the head's dims\n"),
-        ("fused_decode.cu", "                constexpr int QUADS = D / 4;\n",
-         "                constexpr int QUADS = D / 4;\n"
-         "                const int q0 = split * QUADS / S, nq = (split + 1) * QUADS / S - q0;\n"),
-        ("fused_decode.cu", "for (int idx = ct; idx < Gq * S * QUADS; idx += CONSUMERS) {\n"
-         "                    const int g = idx / (S * QUADS), i = (idx / QUADS) % S, d0 = (idx % QUADS) * 4;\n",
-         "for (int idx = ct; idx < Gq * S * nq; idx += CONSUMERS) {\n"
-         "                    const int g = idx / (S * nq), i = (idx / nq) % S, d0 = (q0 + idx % nq) * 4;\n"),
-        ("fused_decode.cu", "                    if (d0 == 0) {\n", "                    if (idx % nq == 0) {\n"),
-        ("fused_decode.cu", "for (int idx = ct; idx < Gq * QUADS; idx += CONSUMERS) {\n"
-         "                    const int g = idx / QUADS, d0 = (idx % QUADS) * 4;\n",
-         "for (int idx = ct; idx < Gq * nq; idx += CONSUMERS) {\n"
-         "                    const int g = idx / nq, d0 = (q0 + idx % nq) * 4;\n"),
-    ],
     # Its trace in the global timer's nanoseconds (%globaltimer, one clock for all SMs) instead of each SM's clock64:
     # fused_profile --global-clock compares CTAs with each other (when the last producer of a hand-off finished,
     # when its consumers saw the data).
@@ -145,12 +126,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
          "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
          "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
     ],
-    # Its consumers wait for a slot's weight batches by spinning on mbarrier.test_wait instead of try_wait, which may
-    # suspend the thread until a system-dependent wake-up: whether the slot waits (0.3-0.8 us a phase in the trace,
-    # though the producer's throttle never mattered) are in part the wake-up's latency.
-    "fused-slot-spin": [("fused_decode.cu", "            mbar_wait(&ring[b % RING], (b / RING) & 1);\n",
-                         "            for (unsigned long long n = 0; !mbar_test(&ring[b % RING], (b / RING) & 1);)\n"
-                         "                if (++n > SPIN_LIMIT) __trap();  // --variant fused-slot-spin\n")],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
