@@ -46,6 +46,11 @@ RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu con
 THREAD_CHOICES = (384, 512)
 # Experiments and tests: one CTA size instead of the choice (a model it cannot serve is refused).
 THREADS: int | None = None
+# The projections on the tensor cores (mma.sync m16n8k16, 16-row tiles of 128-column steps split evenly over the
+# consumer warps) where every K is a multiple of 128 and no phase has more tiles than consumer warps; else (or off) on
+# the CUDA cores (smem_dots). Off only for A/B runs and the tests of the CUDA-core kernel.
+TENSOR_CORES = True
+TC_STEP = 128  # columns of one tensor-core step
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")
 LOOP_END = 1
@@ -155,6 +160,7 @@ class Layout:
     smem_bytes: int
     splits: int
     threads: int  # per CTA
+    tensor_cores: bool  # the projections on the tensor cores (TENSOR_CORES and tensor_core_refusal)
 
 
 def grid_for(sms: int, shapes: Shapes) -> int:
@@ -231,12 +237,35 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     stage_bytes = max(stage_bytes, 4 * attention_floats, 4 * gq * splits * (D + 2))
     offset = _align(offset + stage_bytes)
     partials = offset
-    offset = _align(offset + MAX_TASKS * 4 * 4)
+    cwarps = (threads - 32) // 32
+    offset = _align(offset + max(MAX_TASKS * 4 * 4, cwarps * 2 * 16 * 4))  # down's K parts; TC: 2 tiles x 16 a warp
     for cta in work:
         reason = _pieces(cta, slots, shapes, chunk)
         if reason:
             return reason
-    return Layout(work, slots, xres, stage, partials, offset, splits, threads)
+    tensor_cores = TENSOR_CORES and tensor_core_refusal(shapes, work, cwarps) is None
+    return Layout(work, slots, xres, stage, partials, offset, splits, threads, tensor_cores)
+
+
+def phase_tiles(cta: CtaWork) -> tuple[int, int, int, int]:
+    """16-row tiles of a CTA's QKV (8 pair units a tile), O, gate/up (gate tiles, then up) and down rows."""
+    def quads(n: int) -> int:
+        return -(-n // 4)
+
+    return -(-cta.units[1] // 8), quads(cta.o_quads[1]), 2 * quads(cta.g_quads[1]), quads(cta.d_quads[1])
+
+
+def tensor_core_refusal(shapes: Shapes, work: list[CtaWork], cwarps: int) -> str | None:
+    """Why the projections cannot run on the tensor cores (None: they can)."""
+    widths = {"hidden_size": shapes.hidden, "intermediate_size": shapes.intermediate,
+              "heads x head_dim": shapes.heads * shapes.head_dim}  # fmt: skip
+    for name, K in widths.items():
+        if K % TC_STEP:
+            return f"{name} {K} is not a multiple of {TC_STEP}"
+    most = max(max(phase_tiles(cta)) for cta in work)
+    if most > cwarps:
+        return f"a phase has {most} tiles for {cwarps} consumer warps"
+    return None
 
 
 def _pieces(cta: CtaWork, slots: list[dict], shapes: Shapes, chunk: int) -> str | None:
@@ -385,6 +414,7 @@ class Plan:
     threads: int
     smem: int
     slots: list[int]  # cache slots written, in application order
+    tensor_cores: bool  # the projections on the tensor cores
 
 
 class FusedDecode:
@@ -460,7 +490,8 @@ class FusedDecode:
             return plan
         gq = Hq // Hkv
         maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
-        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}, {plan.threads}>"
+        tc = "true" if plan.tensor_cores else "false"
+        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}, {plan.threads}, {tc}>"
         limit = _smem_limit(device) - 4096  # less the kernel's static shared memory (3,456 bytes: ptxas, sm_90)
         if plan.smem_bytes > limit:
             return f"its shared memory ({plan.smem_bytes} bytes) exceeds the device's {limit}"
@@ -567,7 +598,8 @@ class FusedDecode:
             target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
-        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots)
+        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots,
+                    plan.tensor_cores)
 
 
 def _smem_limit(device: torch.device) -> int:

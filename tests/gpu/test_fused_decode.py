@@ -68,16 +68,22 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # 
     [("ouro", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g32", torch.float16, {}),
      ("llama", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE)],
 )  # fmt: skip
-def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, per_op):
-    assert _check_closeness(variant, quant, dtype, shape, per_op) == {384}  # the CTA size these shapes get
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, tensor_cores,
+                                                                      per_op, monkeypatch):
+    monkeypatch.setattr(fused_decode, "TENSOR_CORES", tensor_cores)
+    # the CTA size these shapes get, and the projections' cores asked for
+    assert _check_closeness(variant, quant, dtype, shape, per_op) == {(384, tensor_cores)}
 
 
 @pytest.mark.parametrize("variant, shape", [("ouro", {}), ("llama", {}), ("ouro", WIDE)])
-def test_the_16_warp_kernel_is_as_close_as_the_12_warp_one(variant, shape, per_op, monkeypatch):
+@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
+def test_the_16_warp_kernel_is_as_close_as_the_12_warp_one(variant, shape, tensor_cores, per_op, monkeypatch):
     """The 512-thread CTAs (for vectors too wide for 384: 2 QKV units per warp task, 15 consumer warps) forced on the
     shapes the default 384 serves: the same bounds."""
     monkeypatch.setattr(fused_decode, "THREADS", 512)
-    assert _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op) == {512}
+    monkeypatch.setattr(fused_decode, "TENSOR_CORES", tensor_cores)
+    assert _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op) == {(512, tensor_cores)}
 
 
 def _check_closeness(variant, quant, dtype, shape, per_op):
@@ -98,7 +104,7 @@ def _check_closeness(variant, quant, dtype, shape, per_op):
     assert fused_error.max() <= 2 * per_op_error.max() + 2e-3 * scale, errors
     assert fused_error.mean() <= 1.5 * per_op_error.mean() + 1e-4 * scale, errors
     assert (got - baseline).abs().max() <= 1e-2 * scale, errors
-    return {plan.threads for plan in fast._cuda_path.fused.plans.values()}
+    return {(plan.threads, plan.tensor_cores) for plan in fast._cuda_path.fused.plans.values()}
 
 
 def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
