@@ -159,6 +159,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
     parser.add_argument("--fused-cuda-cores", action="store_true",
                         help="the fused kernel's projections on the CUDA cores (smem_dots), not the tensor cores")
+    parser.add_argument("--no-fold", action="store_true",
+                        help="the fused kernel's tensor-core weights as exact (q - z), not MAGIC + q with the offset folded out")
     parser.add_argument("--plain-fused-launch", action="store_true",
                         help="the fused kernel launched without the cooperative attribute (its default)")
     parser.add_argument("--attention-block", action="store_true",
@@ -184,6 +186,7 @@ def apply_switches(args: argparse.Namespace) -> None:
         fused_decode.THREADS = args.fused_threads
     fused_decode.COOPERATIVE = not args.plain_fused_launch
     fused_decode.TENSOR_CORES = not args.fused_cuda_cores
+    fused_decode.FOLD_OFFSET = not args.no_fold
     patch_sources(args.without + args.variant)
 
 

@@ -83,6 +83,7 @@ struct Params {
     int H, F, Hq, Hkv, D, Gq, apps, S, G;
     int mode;             // junction: 0 pre, 1 sandwich, 2 post_residual
     int final_every_loop, final_end, rope_interleaved, scale_bf16, midpoint, chunk, inflight;
+    int fold;             // TC: the magic offset folded out through the staged input's step sums (bf16, 128+ groups)
     float eps, scale_log2;
     const int* block_table;
     const int* lengths;
@@ -295,10 +296,15 @@ __device__ __forceinline__ void smem_dots(const unsigned char* smem, const Slot&
 // chunk's x as B, so all 8 columns of C hold the same sums: c[0] is row lo's, c[2] row hi's, in every lane.
 // Weights are the exact (q - z); with groups of 128 columns or more (a step inside one group) the step's fp32 sums
 // are scaled, with smaller groups the weights are, to T(s) * (q - z) in T (the reference path's dequantization).
+// `fold` (bf16, groups of 128+): the weights stay MAGIC + q (one LOP3 a pair, no subtraction) and the step's sums
+// lose (MAGIC + z) times the staged step's sum xsum[step] instead (exact products; the fp32 cancellation costs
+// ~1e-4 of a step's sum).
+constexpr int MAX_STEPS = 128;  // TC steps of the widest staged vector (the host refuses wider ones)
+
 template <typename T>
 __device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot& slot, int lo, int hi, const T* x,
-                                          int step, int midpoint, int scale_bf16, bool zeros, float& acc_lo,
-                                          float& acc_hi) {
+                                          const float* xsum, int step, int midpoint, int scale_bf16, bool zeros,
+                                          bool fold, float& acc_lo, float& acc_hi) {
     using T2 = typename Vec2<T>::type;
     const int c = step * 4 + (threadIdx.x & 3);
     const unsigned char* wbase = smem + slot.weights;
@@ -313,11 +319,18 @@ __device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot&
     const int gl = lo * slot.groups + group, gh = hi * slot.groups + group;
     const float sl = scale_to_float(sbase[gl], scale_bf16), sh = scale_to_float(sbase[gh], scale_bf16);
     const unsigned char* zbase = smem + slot.zeros;
-    const unsigned ml = magic_minus_zero<T>(zeros ? static_cast<int>(zbase[gl]) : midpoint);
-    const unsigned mh = magic_minus_zero<T>(zeros ? static_cast<int>(zbase[gh]) : midpoint);
     const bool post = slot.group_shift >= 7;
+    fold = fold && post && Magic<T>::bits == 0x4300u;
+    const int zl = zeros ? static_cast<int>(zbase[gl]) : midpoint, zh = zeros ? static_cast<int>(zbase[gh]) : midpoint;
     const T tl = from_float<T>(sl), th = from_float<T>(sh);
     const T2 s2l{tl, tl}, s2h{th, th};
+    const unsigned ml = magic_minus_zero<T>(zl), mh = magic_minus_zero<T>(zh);
+    constexpr unsigned magic2 = Magic<T>::bits | (Magic<T>::bits << 16);
+    // Pair i of a word: MAGIC + q (fold) or the exact q - z.
+    auto pair = [&](unsigned word, int i, unsigned mm) {
+        const unsigned biased = and_or(word >> (4 * i), 0x000F000Fu, magic2);
+        return fold ? bits_as_vec2<T>(biased) : __hsub2(bits_as_vec2<T>(biased), bits_as_vec2<T>(mm));
+    };
     const unsigned wlo[4] = {wl.x, wl.y, wl.z, wl.w}, whi[4] = {wh.x, wh.y, wh.z, wh.w};
     float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -325,8 +338,8 @@ __device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot&
         const unsigned xw[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            T2 p[4] = {weight_pair<4, T>(wlo[j], 0u, 2 * h, ml), weight_pair<4, T>(whi[j], 0u, 2 * h, mh),
-                       weight_pair<4, T>(wlo[j], 0u, 2 * h + 1, ml), weight_pair<4, T>(whi[j], 0u, 2 * h + 1, mh)};
+            T2 p[4] = {pair(wlo[j], 2 * h, ml), pair(whi[j], 2 * h, mh), pair(wlo[j], 2 * h + 1, ml),
+                       pair(whi[j], 2 * h + 1, mh)};
             if (!post) {
                 p[0] = __hmul2(p[0], s2l);
                 p[1] = __hmul2(p[1], s2h);
@@ -338,7 +351,11 @@ __device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot&
             else mma_16816<T>(c1, a, xw[2], xw[3]);
         }
     }
-    if (post) {
+    if (fold) {
+        const float magic = Magic<T>::bits == 0x4300u ? 128.0f : 1024.0f, sum = xsum[step];
+        acc_lo = fmaf(sl, fmaf(-(magic + zl), sum, c0[0] + c1[0]), acc_lo);
+        acc_hi = fmaf(sh, fmaf(-(magic + zh), sum, c0[2] + c1[2]), acc_hi);
+    } else if (post) {
         acc_lo = fmaf(sl, c0[0] + c1[0], acc_lo);
         acc_hi = fmaf(sh, c0[2] + c1[2], acc_hi);
     } else {
@@ -351,8 +368,8 @@ __device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot&
 // group g); its sums per tile (at most two: the host keeps tiles <= CWARPS) into partial[cwarp][segment][16].
 template <typename T, int CWARPS, typename Rows>
 __device__ __forceinline__ void tile_dots(const unsigned char* smem, const Slot& slot, int tiles, int steps,
-                                          const Rows& rows, const T* x, int midpoint, int scale_bf16, bool zeros,
-                                          float* partial) {
+                                          const Rows& rows, const T* x, const float* xsum, int midpoint,
+                                          int scale_bf16, bool zeros, bool fold, float* partial) {
     const int cwarp = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31, g = lane >> 2;
     const int total = tiles * steps;
     const int first = cwarp * total / CWARPS, end = (cwarp + 1) * total / CWARPS;
@@ -362,7 +379,7 @@ __device__ __forceinline__ void tile_dots(const unsigned char* smem, const Slot&
     int2 r = rows(tile, g);
     float lo = 0.0f, hi = 0.0f;
     for (int u = first; u < end; ++u) {
-        tile_step<T>(smem, slot, r.x, r.y, x, step, midpoint, scale_bf16, zeros, lo, hi);
+        tile_step<T>(smem, slot, r.x, r.y, x, xsum, step, midpoint, scale_bf16, zeros, fold, lo, hi);
         if (++step == steps || u + 1 == end) {
             if ((lane & 3) == 0) {
                 float* out = partial + (cwarp * 2 + segment) * 16;
@@ -416,6 +433,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     __shared__ float angles[2][128];  // cos, sin of the step's position (D <= 256)
     // The step's row length, first attended token, position and its page: read when needed, not kept in registers.
     __shared__ int step_s[4];
+    __shared__ float xsum[TC ? MAX_STEPS : 1];  // TC fold: sums of the staged input's 128-column steps
     __shared__ unsigned epoch_s;  // this launch's epoch, as read at its start (the last CTA 0 thread increments it)
 
     const int cta = blockIdx.x;
@@ -511,6 +529,17 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
     auto stage_vec = [&](int v, const float (&x)[8]) { reinterpret_cast<uint4*>(stage())[swizzle(v)] = pack8<T>(x); };
+    // TC: the step sums of a staged hidden vector (thread ct's 8 values; 16 threads a step), as staged (rounded to T).
+    auto stage_sums_of_vec = [&](const float (&x)[8]) {
+        float sum = 0.0f;
+        if (owned) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum += x[e];
+        }
+#pragma unroll
+        for (int offset = 8; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+        if ((ct & 15) == 0 && owned) xsum[ct >> 4] = sum;
+    };
     // A 16-byte LL vector of n values polled into the stage (word k: values 4k .. 4k + 3), up to STAGE_WORDS words
     // per thread in flight together.
     auto poll_to_stage = [&](const uint4* ll, int n, unsigned seq) {
@@ -530,6 +559,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             const int k = ct + i * CONSUMERS;
             if (i < count)
                 reinterpret_cast<uint2*>(reinterpret_cast<uint4*>(stage()) + swizzle(k / 2))[k & 1] = payload[i];
+            if constexpr (TC) {  // word k's 4 values; a warp's 32 words are a step (n is a multiple of 128)
+                float sum = 0.0f;
+                if (i < count) {
+                    const float2 a = unpack2<T>(payload[i].x), b = unpack2<T>(payload[i].y);
+                    sum = (a.x + a.y) + (b.x + b.y);
+                }
+                sum = warp_sum(sum);
+                if (lane == 0 && k < n / 4) xsum[k / 32] = sum;
+            }
         }
     };
     // The thread's 8 values of a 16-byte LL vector (2 words).
@@ -624,6 +662,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             store_x(v);
             normalize<T, CONSUMERS>(v, owned, w_input, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
+            if constexpr (TC) stage_sums_of_vec(v);
             consumers_sync<CONSUMERS>();  // the stage
             mark(a, 1);
             wait_slot(a, 0);
@@ -672,8 +711,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     const unsigned both = units_s[min(8 * k + g, W.units - 1)];
                     return make_int2(both & 0xFFFF, both >> 16);
                 };
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), P.midpoint, P.scale_bf16,
-                                     slot.zeros != 0, partials());
+                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
+                                     slot.zeros != 0, P.fold != 0, partials());
                 release_slot(0);
                 for (int j = ct; j < W.units; j += CONSUMERS) {
                     float sums[2];
@@ -860,8 +899,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             const unsigned seq = seq_of(epoch, apps, a, PH_O);
             if constexpr (TC) {
                 const int tiles = (W.o_quads + 3) / 4, steps = Hq * D / 128;
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.o_quads), stage(), P.midpoint,
-                                     P.scale_bf16, slot.zeros != 0, partials());
+                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.o_quads), stage(), xsum, P.midpoint,
+                                     P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
                 release_slot(1);
                 for (int q = ct; q < W.o_quads; q += CONSUMERS) {
                     float y[4];
@@ -891,6 +930,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             store_x(v);
             normalize<T, CONSUMERS>(v, owned, w_post, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
+            if constexpr (TC) stage_sums_of_vec(v);
             consumers_sync<CONSUMERS>();
             mark(a, 9);
             wait_slot(a, 2);
@@ -908,8 +948,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     const int last = 4 * W.g_quads - 1;
                     return make_int2(base + min(row, last), base + min(row + 8, last));
                 };
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), P.midpoint, P.scale_bf16,
-                                     slot.zeros != 0, partials());
+                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
+                                     slot.zeros != 0, P.fold != 0, partials());
                 release_slot(2);
                 for (int q = ct; q < W.g_quads; q += CONSUMERS) {
                     float g[4], u[4], y[4];
@@ -950,8 +990,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
             if constexpr (TC) {
                 const int tiles = (W.d_quads + 3) / 4, steps = F / 128;
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.d_quads), stage(), P.midpoint,
-                                     P.scale_bf16, slot.zeros != 0, partials());
+                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.d_quads), stage(), xsum, P.midpoint,
+                                     P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
                 release_slot(3);
                 for (int q = ct; q < W.d_quads; q += CONSUMERS) {
                     float y[4];

@@ -51,6 +51,10 @@ THREADS: int | None = None
 # the CUDA cores (smem_dots). Off only for A/B runs and the tests of the CUDA-core kernel.
 TENSOR_CORES = True
 TC_STEP = 128  # columns of one tensor-core step
+TC_MAX_STEPS = 128  # fused_decode.cu MAX_STEPS: steps of the widest staged vector
+# Tensor cores, bf16, groups of 128+ columns: weights as MAGIC + q (no subtraction) and the magic offset folded out
+# through the staged input's step sums. Off only for A/B runs and tests (each weight pair then costs a subtraction).
+FOLD_OFFSET = True
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")
 LOOP_END = 1
@@ -100,7 +104,7 @@ class SlotStruct(ctypes.Structure):
 class ParamsStruct(ctypes.Structure):
     _fields_ = [(name, _i32) for name in ("H", "F", "Hq", "Hkv", "D", "Gq", "apps", "S", "G", "mode",
                                           "final_every_loop", "final_end", "rope_interleaved", "scale_bf16",
-                                          "midpoint", "chunk", "inflight")]  # fmt: skip
+                                          "midpoint", "chunk", "inflight", "fold")]  # fmt: skip
     _fields_ += [("eps", _f32), ("scale_log2", _f32)]
     _fields_ += [(name, _ptr) for name in ("block_table", "lengths", "starts", "positions", "final_w", "gate_w",
                                            "gate_b", "hidden_out", "gates_out", "epoch", "q_ll", "k_ll", "v_ll",
@@ -262,6 +266,9 @@ def tensor_core_refusal(shapes: Shapes, work: list[CtaWork], cwarps: int) -> str
     for name, K in widths.items():
         if K % TC_STEP:
             return f"{name} {K} is not a multiple of {TC_STEP}"
+    widest = max(shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim)
+    if widest > TC_MAX_STEPS * TC_STEP:
+        return f"a staged vector of {widest} values is wider than {TC_MAX_STEPS} steps"
     most = max(max(phase_tiles(cta)) for cta in work)
     if most > cwarps:
         return f"a phase has {most} tiles for {cwarps} consumer warps"
@@ -567,7 +574,8 @@ class FusedDecode:
                                 final_every_loop=int(config.final_norm == "every_loop"),
                                 final_end=int(config.final_norm == "end"), rope_interleaved=int(shapes.interleaved),
                                 scale_bf16=int(layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16),
-                                midpoint=fmt.midpoint, chunk=CHUNK_BYTES, inflight=INFLIGHT).items():  # fmt: skip
+                                midpoint=fmt.midpoint, chunk=CHUNK_BYTES, inflight=INFLIGHT,
+                                fold=int(FOLD_OFFSET)).items():  # fmt: skip
             setattr(params, member, value)
         params.eps = config.rms_norm_eps
         params.scale_log2 = D**-0.5 * math.log2(math.e)

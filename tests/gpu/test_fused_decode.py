@@ -86,6 +86,14 @@ def test_the_16_warp_kernel_is_as_close_as_the_12_warp_one(variant, shape, tenso
     assert _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op) == {(512, tensor_cores)}
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["folded-offset", "exact-weights"])
+def test_the_tensor_cores_fold_of_the_magic_offset_keeps_the_bounds(fold, per_op, monkeypatch):
+    """Groups of 128 columns at bf16: the tensor-core weights as MAGIC + q with the offset folded out through the
+    staged input's step sums (the default), or as the exact (q - z); both within the same bounds."""
+    monkeypatch.setattr(fused_decode, "FOLD_OFFSET", fold)
+    assert _check_closeness("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE, per_op) == {(384, True)}
+
+
 def _check_closeness(variant, quant, dtype, shape, per_op):
     ids = torch.randint(1, 256, (1, 16), generator=torch.Generator().manual_seed(4)).cuda()
     reference = _model(variant, quant, dtype, **shape)
