@@ -253,6 +253,7 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
 
 def phase_tiles(cta: CtaWork) -> tuple[int, int, int, int]:
     """16-row tiles of a CTA's QKV (8 pair units a tile), O, gate/up (gate tiles, then up) and down rows."""
+
     def quads(n: int) -> int:
         return -(-n // 4)
 
@@ -606,8 +607,8 @@ class FusedDecode:
             target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
-        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots,
-                    plan.tensor_cores)
+        plan_fields = (name, grid, plan.threads, plan.smem_bytes, slots, plan.tensor_cores)
+        return Plan(device_bytes(params), keep, hidden_out, gates_out, *plan_fields)
 
 
 def _smem_limit(device: torch.device) -> int:

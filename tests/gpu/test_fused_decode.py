@@ -69,8 +69,9 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # 
      ("llama", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE)],
 )  # fmt: skip
 @pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
-def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, tensor_cores,
-                                                                      per_op, monkeypatch):
+def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(
+    variant, quant, dtype, shape, tensor_cores, per_op, monkeypatch
+):
     monkeypatch.setattr(fused_decode, "TENSOR_CORES", tensor_cores)
     # the CTA size these shapes get, and the projections' cores asked for
     assert _check_closeness(variant, quant, dtype, shape, per_op) == {(384, tensor_cores)}
