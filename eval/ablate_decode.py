@@ -54,7 +54,7 @@ _FOLD_GEMV = """    if constexpr (BITS != 8) {  // ablate_decode --without gemv-
 _T2 = "    using T2 = typename Vec2<T>::type;\n"
 _ONES = "0x3f803f80u"  # two bf16 1.0s (timing only: an fp16 model gets other weights)
 _FUSED_MATH_LOOP = "    for (int c = c0 + lane; c < c1; c += 32) {\n        uint4 xv[4][1][1];"
-_FUSED_TILE_LOOP = "    for (int u = first; u < end; ++u) {\n        tile_step<T>("
+_FUSED_TILE_LOOP = "        for (int s = s0; s < s1; ++s)\n            tile_step<T>("
 # --without NAME: (source file, text, replacement) patches. Each text must occur once in the current source
 # (tests/test_kernels_compile.py checks it and that the patched kernels compile). The CUDA-core GEMV's INT8 path (the LM
 # head) is left as it is.
@@ -70,7 +70,7 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     # off (the producer warp issues nothing, the consumers never wait for a slot and multiply whatever the slots hold):
     # what the stream adds to the step, math kept. H200, Ouro-1.4B shape: 2.195 ms against 2.481 (twenty-third session).
     "fused-math": [("fused_decode.cu", _FUSED_MATH_LOOP, _FUSED_MATH_LOOP.replace("c < c1", "c < c0")),
-                   ("fused_decode.cu", _FUSED_TILE_LOOP, _FUSED_TILE_LOOP.replace("u < end", "u < first"))],
+                   ("fused_decode.cu", _FUSED_TILE_LOOP, _FUSED_TILE_LOOP.replace("s < s1", "s < s0"))],
     "fused-weights": [
         ("fused_decode.cu", "        if (threadIdx.x != 0) return;\n", "        return;  // --without fused-weights\n"),
         ("fused_decode.cu", "for (int k = 0; k < W.slot_batches[s]; ++k) {", "for (int k = 0; k < 0; ++k) {"),

@@ -373,24 +373,20 @@ __device__ __forceinline__ void tile_dots(const unsigned char* smem, const Slot&
     const int cwarp = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31, g = lane >> 2;
     const int total = tiles * steps;
     const int first = cwarp * total / CWARPS, end = (cwarp + 1) * total / CWARPS;
-    if (first >= end) return;
-    int tile = first / steps;
-    int step = first - tile * steps, segment = 0;
-    int2 r = rows(tile, g);
-    float lo = 0.0f, hi = 0.0f;
-    for (int u = first; u < end; ++u) {
-        tile_step<T>(smem, slot, r.x, r.y, x, xsum, step, midpoint, scale_bf16, zeros, fold, lo, hi);
-        if (++step == steps || u + 1 == end) {
-            if ((lane & 3) == 0) {
-                float* out = partial + (cwarp * 2 + segment) * 16;
-                out[g] = lo;
-                out[g + 8] = hi;
-            }
-            lo = hi = 0.0f;
-            step = 0;
-            ++segment;
-            if (u + 1 < end) r = rows(++tile, g);
+    int tile = first / steps, segment = 0;
+    for (int u = first; u < end; ++tile, ++segment) {  // a segment: the warp's steps of one tile
+        const int s0 = u - tile * steps, s1 = min(steps, s0 + end - u);
+        const int2 r = rows(tile, g);
+        float lo = 0.0f, hi = 0.0f;
+#pragma unroll 2
+        for (int s = s0; s < s1; ++s)
+            tile_step<T>(smem, slot, r.x, r.y, x, xsum, s, midpoint, scale_bf16, zeros, fold, lo, hi);
+        if ((lane & 3) == 0) {
+            float* out = partial + (cwarp * 2 + segment) * 16;
+            out[g] = lo;
+            out[g + 8] = hi;
         }
+        u += s1 - s0;
     }
 }
 
@@ -525,6 +521,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     };
     auto release_slot = [&](int s) {
         consumers_sync<CONSUMERS>();  // every consumer is done reading the slot
+        if (ct == 0) mbar_arrive(&empty[s]);
+    };
+    // TC: after the barrier that ends a projection's dots, once thread 0's warp (the reducers) has stored the phase's
+    // outputs: the next application's weights for the slot are not queued ahead of them.
+    auto release_after_outputs = [&](int s) {
         if (ct == 0) mbar_arrive(&empty[s]);
     };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
@@ -713,12 +714,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 };
                 tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
                                      slot.zeros != 0, P.fold != 0, partials());
-                release_slot(0);
+                consumers_sync<CONSUMERS>();  // the partial sums
                 for (int j = ct; j < W.units; j += CONSUMERS) {
                     float sums[2];
                     tile_sums<CWARPS, 2>(partials(), tiles, steps, j >> 3, j & 7, 8, sums);
                     qkv_out(j, sums[0], sums[1]);
                 }
+                release_after_outputs(0);
             } else {
                 constexpr int U = QKV_UNITS;
                 for (int task = cwarp; U * task < W.units; task += CWARPS) {
@@ -901,12 +903,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 const int tiles = (W.o_quads + 3) / 4, steps = Hq * D / 128;
                 tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.o_quads), stage(), xsum, P.midpoint,
                                      P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
-                release_slot(1);
+                consumers_sync<CONSUMERS>();  // the partial sums
                 for (int q = ct; q < W.o_quads; q += CONSUMERS) {
                     float y[4];
                     tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, y);
                     ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
                 }
+                release_after_outputs(1);
             } else {
                 for (int q = cwarp; q < W.o_quads; q += CWARPS) {
                     const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
@@ -950,7 +953,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 };
                 tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
                                      slot.zeros != 0, P.fold != 0, partials());
-                release_slot(2);
+                consumers_sync<CONSUMERS>();  // the partial sums
                 for (int q = ct; q < W.g_quads; q += CONSUMERS) {
                     float g[4], u[4], y[4];
                     tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, g);
@@ -959,6 +962,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                     for (int i = 0; i < 4; ++i) y[i] = swiglu(g[i], u[i]);
                     ll_store16(P.h_ll + W.g_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
                 }
+                release_after_outputs(2);
             } else {
                 for (int q = cwarp; q < W.g_quads; q += CWARPS) {
                     const int lrow[8] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3, slot.rows_cap + 4 * q,
@@ -992,12 +996,13 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
                 const int tiles = (W.d_quads + 3) / 4, steps = F / 128;
                 tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.d_quads), stage(), xsum, P.midpoint,
                                      P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
-                release_slot(3);
+                consumers_sync<CONSUMERS>();  // the partial sums
                 for (int q = ct; q < W.d_quads; q += CONSUMERS) {
                     float y[4];
                     tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, y);
                     ll_store16(P.down_ll + W.d_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
                 }
+                release_after_outputs(3);
             } else {
                 const int chunks = F / 32;
                 int span = 64;
