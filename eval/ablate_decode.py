@@ -54,7 +54,6 @@ _FOLD_GEMV = """    if constexpr (BITS != 8) {  // ablate_decode --without gemv-
 _T2 = "    using T2 = typename Vec2<T>::type;\n"
 _ONES = "0x3f803f80u"  # two bf16 1.0s (timing only: an fp16 model gets other weights)
 _FUSED_MATH_LOOP = "    for (int c = c0 + lane; c < c1; c += 32) {\n        uint4 xv[4][1][1];"
-_FUSED_TILE_LOOP = "        for (int s = s0; s < s1; ++s)\n            tile_step<T>("
 # --without NAME: (source file, text, replacement) patches. Each text must occur once in the current source
 # (tests/test_kernels_compile.py checks it and that the patched kernels compile). The CUDA-core GEMV's INT8 path (the LM
 # head) is left as it is.
@@ -69,8 +68,7 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     # The fused decode kernel (batch 1): its projection loops emptied (fused_profile --no-math); or its weight stream
     # off (the producer warp issues nothing, the consumers never wait for a slot and multiply whatever the slots hold):
     # what the stream adds to the step, math kept. H200, Ouro-1.4B shape: 2.195 ms against 2.481 (twenty-third session).
-    "fused-math": [("fused_decode.cu", _FUSED_MATH_LOOP, _FUSED_MATH_LOOP.replace("c < c1", "c < c0")),
-                   ("fused_decode.cu", _FUSED_TILE_LOOP, _FUSED_TILE_LOOP.replace("s < s1", "s < s0"))],
+    "fused-math": [("fused_decode.cu", _FUSED_MATH_LOOP, _FUSED_MATH_LOOP.replace("c < c1", "c < c0"))],
     "fused-weights": [
         ("fused_decode.cu", "        if (threadIdx.x != 0) return;\n", "        return;  // --without fused-weights\n"),
         ("fused_decode.cu", "for (int k = 0; k < W.slot_batches[s]; ++k) {", "for (int k = 0; k < 0; ++k) {"),
@@ -114,6 +112,20 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fused-global-clock": [("fused_decode.cu", "* gridDim.x + cta] = clock64();",
                             "* gridDim.x + cta] = [] { unsigned long long t; "
                             'asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }();')],
+    # Its O projection in row pairs instead of quads: a CTA's 4 O quads kept 4 of its 11 consumer warps busy, each over
+    # all 64 chunks; as 8 pairs, 8 warps with half the rows each. Each row's sum is computed exactly as before (split by
+    # rows, not K), so the outputs are identical; each pair stores one 8-byte half of its quad's LL word.
+    "fused-o-pairs": [
+        ("fused_decode.cu", "for (int q = cwarp; q < W.o_quads; q += CWARPS) {\n"
+         "                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};\n"
+         "                float acc[4];\n                smem_dots<T, 4>(",
+         "for (int p = cwarp; p < 2 * W.o_quads; p += CWARPS) {  // --variant fused-o-pairs\n"
+         "                const int lrow[2] = {2 * p, 2 * p + 1};\n"
+         "                float acc[2];\n                smem_dots<T, 2>("),
+        ("fused_decode.cu",
+         "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
+         "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
+    ],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
@@ -157,10 +169,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the step as one kernel where it serves it (kernels/fused_decode.cu; the default)")
     parser.add_argument("--fused-threads", type=int, choices=(384, 512),
                         help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
-    parser.add_argument("--fused-cuda-cores", action="store_true",
-                        help="the fused kernel's projections on the CUDA cores (smem_dots), not the tensor cores")
-    parser.add_argument("--no-fold", action="store_true",
-                        help="the fused kernel's tensor-core weights as exact (q - z), not MAGIC + q with the offset folded out")
     parser.add_argument("--plain-fused-launch", action="store_true",
                         help="the fused kernel launched without the cooperative attribute (its default)")
     parser.add_argument("--attention-block", action="store_true",
@@ -185,8 +193,6 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
     fused_decode.COOPERATIVE = not args.plain_fused_launch
-    fused_decode.TENSOR_CORES = not args.fused_cuda_cores
-    fused_decode.FOLD_OFFSET = not args.no_fold
     patch_sources(args.without + args.variant)
 
 
@@ -194,10 +200,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     """What the switches turned on, as a suffix for the result line."""
     label = ", INT8 KV" if args.kv_cache_dtype == "int8" else ""
     threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
-    cores = sorted({"tensor" if plan.tensor_cores else "CUDA" for plan in model._cuda_path.fused.plans.values()
-                    if not isinstance(plan, str)})  # fmt: skip
-    label += (f", fused decode kernel ({'/'.join(map(str, threads))} threads, {'/'.join(cores)} cores)"
-              if model._cuda_path.fused.steps else "")  # fmt: skip
+    label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
     label += ", plain launch" if model._cuda_path.fused.steps and args.plain_fused_launch else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""

@@ -115,7 +115,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replay", action="store_true", help="graph-replay times, fused and per-op")
     parser.add_argument("--no-math", action="store_true", help="the fused kernel without its projection loops")
-    parser.add_argument("--cuda-cores", action="store_true", help="the projections on the CUDA cores, not tensor cores")
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--splits", type=int, help="attention splits per KV head (fused_decode.SPLITS)")
     parser.add_argument("--global-clock", action="store_true", help="trace in global-timer ns; the hand-off table")
@@ -123,7 +122,6 @@ def main() -> None:
                         help="ablate_decode's candidate kernel changes, traced instead of the kernel as it is")
     args = parser.parse_args()
     fused_decode.SPLITS = args.splits
-    fused_decode.TENSOR_CORES = not args.cuda_cores
     # Source patches before the kernel is first compiled.
     patch_sources(["fused-math"] * args.no_math + ["fused-global-clock"] * args.global_clock + args.variant)
     base = base_model(4, 4096)

@@ -15,7 +15,6 @@
 // Rounding mirrors the multi-kernel CUDA path (norm.cuh, gemv_quant.cu, paged_attention.cu, rope_epilogue.cuh).
 // The host (fused_decode.py) builds every table; it serves only what this kernel implements and says why not.
 #include "gemv_dot.cuh"
-#include "mma.cuh"
 #include "norm.cuh"
 #include "tma.cuh"
 #include "cluster.cuh"
@@ -83,7 +82,6 @@ struct Params {
     int H, F, Hq, Hkv, D, Gq, apps, S, G;
     int mode;             // junction: 0 pre, 1 sandwich, 2 post_residual
     int final_every_loop, final_end, rope_interleaved, scale_bf16, midpoint, chunk, inflight;
-    int fold;             // TC: the magic offset folded out through the staged input's step sums (bf16, 128+ groups)
     float eps, scale_log2;
     const int* block_table;
     const int* lengths;
@@ -288,131 +286,11 @@ __device__ __forceinline__ void smem_dots(const unsigned char* smem, const Slot&
     for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-// Tensor-core dots (TC kernels). A phase's rows form 16-row tiles, a tile's K steps of 128 columns; a (tile, step) is
-// one unit, and a phase's units (tile-major) are split evenly over the consumer warps. Lane (g, t) holds tile rows
-// lo = g and hi = g + 8 and, in each step, chunk 4 step + t (16 bytes: 32 INT4 weights) of both and of the staged x.
-// Word j of the chunk gives k-tiles (j, 0) and (j, 1): pairs 2h and 2h + 1 of the word are A's two column pairs and
-// x's matching 4 columns B's (the k order inside an mma is free while A and B agree). Every lane passes its own
-// chunk's x as B, so all 8 columns of C hold the same sums: c[0] is row lo's, c[2] row hi's, in every lane.
-// Weights are the exact (q - z); with groups of 128 columns or more (a step inside one group) the step's fp32 sums
-// are scaled, with smaller groups the weights are, to T(s) * (q - z) in T (the reference path's dequantization).
-// `fold` (bf16, groups of 128+): the weights stay MAGIC + q (one LOP3 a pair, no subtraction) and the step's sums
-// lose (MAGIC + z) times the staged step's sum xsum[step] instead (exact products; the fp32 cancellation costs
-// ~1e-4 of a step's sum).
-constexpr int MAX_STEPS = 128;  // TC steps of the widest staged vector (the host refuses wider ones)
-
-template <typename T>
-__device__ __forceinline__ void tile_step(const unsigned char* smem, const Slot& slot, int lo, int hi, const T* x,
-                                          const float* xsum, int step, int midpoint, int scale_bf16, bool zeros,
-                                          bool fold, float& acc_lo, float& acc_hi) {
-    using T2 = typename Vec2<T>::type;
-    const int c = step * 4 + (threadIdx.x & 3);
-    const unsigned char* wbase = smem + slot.weights;
-    const uint4 wl = *reinterpret_cast<const uint4*>(wbase + lo * slot.row_bytes + c * 16);
-    const uint4 wh = *reinterpret_cast<const uint4*>(wbase + hi * slot.row_bytes + c * 16);
-    const uint4* xs = reinterpret_cast<const uint4*>(x);
-    uint4 xv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) xv[i] = xs[swizzle(c * 4 + i)];
-    const int group = (c * 32) >> slot.group_shift;
-    const unsigned short* sbase = reinterpret_cast<const unsigned short*>(smem + slot.scales);
-    const int gl = lo * slot.groups + group, gh = hi * slot.groups + group;
-    const float sl = scale_to_float(sbase[gl], scale_bf16), sh = scale_to_float(sbase[gh], scale_bf16);
-    const unsigned char* zbase = smem + slot.zeros;
-    const bool post = slot.group_shift >= 7;
-    fold = fold && post && Magic<T>::bits == 0x4300u;
-    const int zl = zeros ? static_cast<int>(zbase[gl]) : midpoint, zh = zeros ? static_cast<int>(zbase[gh]) : midpoint;
-    const T tl = from_float<T>(sl), th = from_float<T>(sh);
-    const T2 s2l{tl, tl}, s2h{th, th};
-    const unsigned ml = magic_minus_zero<T>(zl), mh = magic_minus_zero<T>(zh);
-    constexpr unsigned magic2 = Magic<T>::bits | (Magic<T>::bits << 16);
-    // Pair i of a word: MAGIC + q (fold) or the exact q - z.
-    auto pair = [&](unsigned word, int i, unsigned mm) {
-        const unsigned biased = and_or(word >> (4 * i), 0x000F000Fu, magic2);
-        return fold ? bits_as_vec2<T>(biased) : __hsub2(bits_as_vec2<T>(biased), bits_as_vec2<T>(mm));
-    };
-    const unsigned wlo[4] = {wl.x, wl.y, wl.z, wl.w}, whi[4] = {wh.x, wh.y, wh.z, wh.w};
-    float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const unsigned xw[4] = {xv[j].x, xv[j].y, xv[j].z, xv[j].w};
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            T2 p[4] = {pair(wlo[j], 2 * h, ml), pair(whi[j], 2 * h, mh), pair(wlo[j], 2 * h + 1, ml),
-                       pair(whi[j], 2 * h + 1, mh)};
-            if (!post) {
-                p[0] = __hmul2(p[0], s2l);
-                p[1] = __hmul2(p[1], s2h);
-                p[2] = __hmul2(p[2], s2l);
-                p[3] = __hmul2(p[3], s2h);
-            }
-            const unsigned a[4] = {vec2_bits<T>(p[0]), vec2_bits<T>(p[1]), vec2_bits<T>(p[2]), vec2_bits<T>(p[3])};
-            if (h == 0) mma_16816<T>(c0, a, xw[0], xw[1]);
-            else mma_16816<T>(c1, a, xw[2], xw[3]);
-        }
-    }
-    if (fold) {
-        const float magic = Magic<T>::bits == 0x4300u ? 128.0f : 1024.0f, sum = xsum[step];
-        acc_lo = fmaf(sl, fmaf(-(magic + zl), sum, c0[0] + c1[0]), acc_lo);
-        acc_hi = fmaf(sh, fmaf(-(magic + zh), sum, c0[2] + c1[2]), acc_hi);
-    } else if (post) {
-        acc_lo = fmaf(sl, c0[0] + c1[0], acc_lo);
-        acc_hi = fmaf(sh, c0[2] + c1[2], acc_hi);
-    } else {
-        acc_lo += c0[0] + c1[0];
-        acc_hi += c0[2] + c1[2];
-    }
-}
-
-// The warp's units of a phase of `tiles` tiles of `steps` steps (rows(k, g): local rows lo, hi of tile k for lane
-// group g); its sums per tile (at most two: the host keeps tiles <= CWARPS) into partial[cwarp][segment][16].
-template <typename T, int CWARPS, typename Rows>
-__device__ __forceinline__ void tile_dots(const unsigned char* smem, const Slot& slot, int tiles, int steps,
-                                          const Rows& rows, const T* x, const float* xsum, int midpoint,
-                                          int scale_bf16, bool zeros, bool fold, float* partial) {
-    const int cwarp = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31, g = lane >> 2;
-    const int total = tiles * steps;
-    const int first = cwarp * total / CWARPS, end = (cwarp + 1) * total / CWARPS;
-    int tile = first / steps, segment = 0;
-    for (int u = first; u < end; ++tile, ++segment) {  // a segment: the warp's steps of one tile
-        const int s0 = u - tile * steps, s1 = min(steps, s0 + end - u);
-        const int2 r = rows(tile, g);
-        float lo = 0.0f, hi = 0.0f;
-#pragma unroll 2
-        for (int s = s0; s < s1; ++s)
-            tile_step<T>(smem, slot, r.x, r.y, x, xsum, s, midpoint, scale_bf16, zeros, fold, lo, hi);
-        if ((lane & 3) == 0) {
-            float* out = partial + (cwarp * 2 + segment) * 16;
-            out[g] = lo;
-            out[g + 8] = hi;
-        }
-        u += s1 - s0;
-    }
-}
-
-// Rows r0 + i * stride (i < N) of tile k summed over the warps whose units cover it, in warp order (tile_dots' split).
-template <int CWARPS, int N>
-__device__ __forceinline__ void tile_sums(const float* partial, int tiles, int steps, int k, int r0, int stride,
-                                          float (&out)[N]) {
-    const int total = tiles * steps, begin = k * steps, finish = begin + steps;
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = 0.0f;
-#pragma unroll
-    for (int w = 0; w < CWARPS; ++w) {
-        const int first = w * total / CWARPS, end = (w + 1) * total / CWARPS;
-        if (first < finish && end > begin && first < end) {
-            const float* in = partial + (w * 2 + (first < begin ? 1 : 0)) * 16 + r0;
-#pragma unroll
-            for (int i = 0; i < N; ++i) out[i] += in[i * stride];
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------------------------------
 
-template <typename T, int D, int MAXG, int THREADS, bool TC>
+template <typename T, int D, int MAXG, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restrict__ params, const float* rope_cos,
                                                            const float* rope_sin, const T* hidden_in) {
     constexpr int CONSUMERS = THREADS - 32;  // warps 1.. (warp 0 is the producer)
@@ -429,7 +307,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     __shared__ float angles[2][128];  // cos, sin of the step's position (D <= 256)
     // The step's row length, first attended token, position and its page: read when needed, not kept in registers.
     __shared__ int step_s[4];
-    __shared__ float xsum[TC ? MAX_STEPS : 1];  // TC fold: sums of the staged input's 128-column steps
     __shared__ unsigned epoch_s;  // this launch's epoch, as read at its start (the last CTA 0 thread increments it)
 
     const int cta = blockIdx.x;
@@ -523,24 +400,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         consumers_sync<CONSUMERS>();  // every consumer is done reading the slot
         if (ct == 0) mbar_arrive(&empty[s]);
     };
-    // TC: after the barrier that ends a projection's dots, once thread 0's warp (the reducers) has stored the phase's
-    // outputs: the next application's weights for the slot are not queued ahead of them.
-    auto release_after_outputs = [&](int s) {
-        if (ct == 0) mbar_arrive(&empty[s]);
-    };
     // The staged input: 8 values of vector v (unswizzled index) from 8 floats.
     auto stage_vec = [&](int v, const float (&x)[8]) { reinterpret_cast<uint4*>(stage())[swizzle(v)] = pack8<T>(x); };
-    // TC: the step sums of a staged hidden vector (thread ct's 8 values; 16 threads a step), as staged (rounded to T).
-    auto stage_sums_of_vec = [&](const float (&x)[8]) {
-        float sum = 0.0f;
-        if (owned) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) sum += x[e];
-        }
-#pragma unroll
-        for (int offset = 8; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if ((ct & 15) == 0 && owned) xsum[ct >> 4] = sum;
-    };
     // A 16-byte LL vector of n values polled into the stage (word k: values 4k .. 4k + 3), up to STAGE_WORDS words
     // per thread in flight together.
     auto poll_to_stage = [&](const uint4* ll, int n, unsigned seq) {
@@ -560,15 +421,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             const int k = ct + i * CONSUMERS;
             if (i < count)
                 reinterpret_cast<uint2*>(reinterpret_cast<uint4*>(stage()) + swizzle(k / 2))[k & 1] = payload[i];
-            if constexpr (TC) {  // word k's 4 values; a warp's 32 words are a step (n is a multiple of 128)
-                float sum = 0.0f;
-                if (i < count) {
-                    const float2 a = unpack2<T>(payload[i].x), b = unpack2<T>(payload[i].y);
-                    sum = (a.x + a.y) + (b.x + b.y);
-                }
-                sum = warp_sum(sum);
-                if (lane == 0 && k < n / 4) xsum[k / 32] = sum;
-            }
         }
     };
     // The thread's 8 values of a 16-byte LL vector (2 words).
@@ -630,13 +482,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     // wait hides their latency; not a phase ahead, which kept 24 registers live through the projections' loops.
     const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
     auto norm_weight = [&](const void* w) { return owned ? load_vec(w, vec) : zero4; };
-    // TC: tile k of a projection whose CTA rows are `quads` quads from local row 0 (rows past the last one repeat it).
-    auto quad_rows = [](int quads) {
-        return [quads](int k, int g) {
-            const int last = 4 * quads - 1, row = 16 * k + g;
-            return make_int2(min(row, last), min(row + 8, last));
-        };
-    };
 
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
@@ -663,7 +508,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             store_x(v);
             normalize<T, CONSUMERS>(v, owned, w_input, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            if constexpr (TC) stage_sums_of_vec(v);
             consumers_sync<CONSUMERS>();  // the stage
             mark(a, 1);
             wait_slot(a, 0);
@@ -673,82 +517,61 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             T* k_pages = static_cast<T*>(ldg_ptr(&app->k_pages));
             T* v_pages = static_cast<T*>(ldg_ptr(&app->v_pages));
             const int half = D / 2, chunks = H / 32;
-            // Unit j of the CTA (its pair's two sums): RoPE for q and k, q into its LL words, K / V into the page slot
-            // and their LL words.
-            auto qkv_out = [&](int j, float first, float second) {
-                const int unit = W.unit0 + j;
-                const int heads_pairs = half;  // pairs per head
-                const int which_head = unit / heads_pairs, p = unit % heads_pairs;
-                const int d0 = P.rope_interleaved ? 2 * p : p, d1 = P.rope_interleaved ? 2 * p + 1 : p + half;
-                first = to_float(from_float<T>(first));
-                second = to_float(from_float<T>(second));
-                float out0 = first, out1 = second;
-                if (which_head < Hq + Hkv) {  // q or k: rotate (rope_epilogue.cuh's arithmetic)
-                    const float cs = angles[0][p], sn = angles[1][p];
-                    out0 = __fsub_rn(__fmul_rn(first, cs), __fmul_rn(second, sn));
-                    out1 = __fadd_rn(__fmul_rn(second, cs), __fmul_rn(first, sn));
-                }
-                const T t0 = from_float<T>(out0), t1 = from_float<T>(out1);
-                const unsigned b0 = *reinterpret_cast<const unsigned short*>(&t0);
-                const unsigned b1 = *reinterpret_cast<const unsigned short*>(&t1);
-                if (which_head < Hq) {
-                    ll_store8(P.q_ll + which_head * D + d0, b0, seq);
-                    ll_store8(P.q_ll + which_head * D + d1, b1, seq);
-                } else {
-                    const bool is_k = which_head < Hq + Hkv;
-                    const int kvh = which_head - (is_k ? Hq : Hq + Hkv);
-                    T* pages = is_k ? k_pages : v_pages;
-                    const long long slot_index = (static_cast<long long>(step_s[3]) * Hkv + kvh) * 16 + step_s[2] % 16;
-                    pages[slot_index * D + d0] = t0;
-                    pages[slot_index * D + d1] = t1;
-                    uint2* ll = (is_k ? P.k_ll : P.v_ll) + kvh * D;
-                    ll_store8(ll + d0, b0, seq);
-                    ll_store8(ll + d1, b1, seq);
-                }
-            };
-            if constexpr (TC) {  // tile k: units 8k .. 8k + 7, lane group g their first rows, g + 8 their second
-                const int tiles = (W.units + 7) / 8, steps = H / 128;
-                auto rows = [&](int k, int g) {
-                    const unsigned both = units_s[min(8 * k + g, W.units - 1)];
-                    return make_int2(both & 0xFFFF, both >> 16);
-                };
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
-                                     slot.zeros != 0, P.fold != 0, partials());
-                consumers_sync<CONSUMERS>();  // the partial sums
-                for (int j = ct; j < W.units; j += CONSUMERS) {
-                    float sums[2];
-                    tile_sums<CWARPS, 2>(partials(), tiles, steps, j >> 3, j & 7, 8, sums);
-                    qkv_out(j, sums[0], sums[1]);
-                }
-                release_after_outputs(0);
-            } else {
-                constexpr int U = QKV_UNITS;
-                for (int task = cwarp; U * task < W.units; task += CWARPS) {
-                    const int j0 = U * task, n = min(U, W.units - j0);
-                    int lrow[2 * U];
+            constexpr int U = QKV_UNITS;
+            for (int task = cwarp; U * task < W.units; task += CWARPS) {
+                const int j0 = U * task, n = min(U, W.units - j0);
+                int lrow[2 * U];
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const unsigned rows = units_s[j0 + min(u, n - 1)];
-                        lrow[2 * u] = rows & 0xFFFF;
-                        lrow[2 * u + 1] = rows >> 16;
-                    }
-                    float acc[2 * U];
-                    smem_dots<T, 2 * U>(smem, slot, lrow, stage(), 0, chunks, P.midpoint, P.scale_bf16,
-                                        slot.zeros != 0, acc);
-                    if (lane < n) {  // lane u finishes unit j0 + u
-                        float first = acc[0], second = acc[1];
+                for (int u = 0; u < U; ++u) {
+                    const unsigned rows = units_s[j0 + min(u, n - 1)];
+                    lrow[2 * u] = rows & 0xFFFF;
+                    lrow[2 * u + 1] = rows >> 16;
+                }
+                float acc[2 * U];
+                smem_dots<T, 2 * U>(smem, slot, lrow, stage(), 0, chunks, P.midpoint, P.scale_bf16, slot.zeros != 0,
+                                    acc);
+                if (lane < n) {  // lane u finishes unit j0 + u
+                    const int unit = W.unit0 + j0 + lane;
+                    float first = acc[0], second = acc[1];
 #pragma unroll
-                        for (int u = 1; u < U; ++u) {  // selects, not a dynamically indexed (local memory) array
-                            if (lane == u) {
-                                first = acc[2 * u];
-                                second = acc[2 * u + 1];
-                            }
+                    for (int u = 1; u < U; ++u) {  // selects, not a dynamically indexed (local memory) array
+                        if (lane == u) {
+                            first = acc[2 * u];
+                            second = acc[2 * u + 1];
                         }
-                        qkv_out(j0 + lane, first, second);
+                    }
+                    const int heads_pairs = half;  // pairs per head
+                    const int which_head = unit / heads_pairs, p = unit % heads_pairs;
+                    const int d0 = P.rope_interleaved ? 2 * p : p, d1 = P.rope_interleaved ? 2 * p + 1 : p + half;
+                    first = to_float(from_float<T>(first));
+                    second = to_float(from_float<T>(second));
+                    float out0 = first, out1 = second;
+                    if (which_head < Hq + Hkv) {  // q or k: rotate (rope_epilogue.cuh's arithmetic)
+                        const float cs = angles[0][p], sn = angles[1][p];
+                        out0 = __fsub_rn(__fmul_rn(first, cs), __fmul_rn(second, sn));
+                        out1 = __fadd_rn(__fmul_rn(second, cs), __fmul_rn(first, sn));
+                    }
+                    const T t0 = from_float<T>(out0), t1 = from_float<T>(out1);
+                    const unsigned b0 = *reinterpret_cast<const unsigned short*>(&t0);
+                    const unsigned b1 = *reinterpret_cast<const unsigned short*>(&t1);
+                    if (which_head < Hq) {
+                        ll_store8(P.q_ll + which_head * D + d0, b0, seq);
+                        ll_store8(P.q_ll + which_head * D + d1, b1, seq);
+                    } else {
+                        const bool is_k = which_head < Hq + Hkv;
+                        const int kvh = which_head - (is_k ? Hq : Hq + Hkv);
+                        T* pages = is_k ? k_pages : v_pages;
+                        const long long slot_index =
+                            (static_cast<long long>(step_s[3]) * Hkv + kvh) * 16 + step_s[2] % 16;
+                        pages[slot_index * D + d0] = t0;
+                        pages[slot_index * D + d1] = t1;
+                        uint2* ll = (is_k ? P.k_ll : P.v_ll) + kvh * D;
+                        ll_store8(ll + d0, b0, seq);
+                        ll_store8(ll + d1, b1, seq);
                     }
                 }
-                release_slot(0);
             }
+            release_slot(0);
             mark(a, 3);
         }
         // ================= P2: attention (one KV head and split per CTA), the split merge =================
@@ -899,28 +722,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             mark(a, 7);
             const Slot& slot = P.slot[1];
             const unsigned seq = seq_of(epoch, apps, a, PH_O);
-            if constexpr (TC) {
-                const int tiles = (W.o_quads + 3) / 4, steps = Hq * D / 128;
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.o_quads), stage(), xsum, P.midpoint,
-                                     P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
-                consumers_sync<CONSUMERS>();  // the partial sums
-                for (int q = ct; q < W.o_quads; q += CONSUMERS) {
-                    float y[4];
-                    tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, y);
-                    ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
-                }
-                release_after_outputs(1);
-            } else {
-                for (int q = cwarp; q < W.o_quads; q += CWARPS) {
-                    const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
-                    float acc[4];
-                    smem_dots<T, 4>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16,
-                                    slot.zeros != 0, acc);
-                    if (lane == 0)
-                        ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
-                }
-                release_slot(1);
+            for (int q = cwarp; q < W.o_quads; q += CWARPS) {
+                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
+                float acc[4];
+                smem_dots<T, 4>(smem, slot, lrow, stage(), 0, Hq * D / 32, P.midpoint, P.scale_bf16, slot.zeros != 0,
+                                acc);
+                if (lane == 0)
+                    ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);
             }
+            release_slot(1);
             mark(a, 8);
         }
         // ================= P4: junction, gate/up projections, SwiGLU =================
@@ -933,53 +743,28 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             store_x(v);
             normalize<T, CONSUMERS>(v, owned, w_post, H, eps, red, turn);
             if (owned) stage_vec(vec, v);
-            if constexpr (TC) stage_sums_of_vec(v);
             consumers_sync<CONSUMERS>();
             mark(a, 9);
             wait_slot(a, 2);
             mark(a, 10);
             const Slot& slot = P.slot[2];
             const unsigned seq = seq_of(epoch, apps, a, PH_H);
-            // gemv_quant.cu's SwiGLU rounding
-            auto swiglu = [](float g, float u) { return to_float(from_float<T>(silu(to_float(from_float<T>(g))))) *
-                                                        to_float(from_float<T>(u)); };
-            if constexpr (TC) {  // tiles 0 .. gate_tiles - 1 the gate rows, then the up rows (from rows_cap)
-                const int gate_tiles = (W.g_quads + 3) / 4, tiles = 2 * gate_tiles, steps = H / 128;
-                auto rows = [&](int k, int g) {
-                    const bool up = k >= gate_tiles;
-                    const int base = up ? slot.rows_cap : 0, row = 16 * (up ? k - gate_tiles : k) + g;
-                    const int last = 4 * W.g_quads - 1;
-                    return make_int2(base + min(row, last), base + min(row + 8, last));
-                };
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, rows, stage(), xsum, P.midpoint, P.scale_bf16,
-                                     slot.zeros != 0, P.fold != 0, partials());
-                consumers_sync<CONSUMERS>();  // the partial sums
-                for (int q = ct; q < W.g_quads; q += CONSUMERS) {
-                    float g[4], u[4], y[4];
-                    tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, g);
-                    tile_sums<CWARPS, 4>(partials(), tiles, steps, gate_tiles + (q >> 2), (q & 3) * 4, 1, u);
+            for (int q = cwarp; q < W.g_quads; q += CWARPS) {
+                const int lrow[8] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3, slot.rows_cap + 4 * q,
+                                     slot.rows_cap + 4 * q + 1, slot.rows_cap + 4 * q + 2, slot.rows_cap + 4 * q + 3};
+                float acc[8];
+                smem_dots<T, 8>(smem, slot, lrow, stage(), 0, H / 32, P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
+                if (lane == 0) {
+                    float y[4];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) y[i] = swiglu(g[i], u[i]);
+                    for (int i = 0; i < 4; ++i) {  // gemv_quant.cu's SwiGLU rounding
+                        const float g = to_float(from_float<T>(acc[i])), u = to_float(from_float<T>(acc[4 + i]));
+                        y[i] = to_float(from_float<T>(silu(g))) * u;
+                    }
                     ll_store16(P.h_ll + W.g_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
                 }
-                release_after_outputs(2);
-            } else {
-                for (int q = cwarp; q < W.g_quads; q += CWARPS) {
-                    const int lrow[8] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3, slot.rows_cap + 4 * q,
-                                         slot.rows_cap + 4 * q + 1, slot.rows_cap + 4 * q + 2,
-                                         slot.rows_cap + 4 * q + 3};
-                    float acc[8];
-                    smem_dots<T, 8>(smem, slot, lrow, stage(), 0, H / 32, P.midpoint, P.scale_bf16,
-                                    slot.zeros != 0, acc);
-                    if (lane == 0) {
-                        float y[4];
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) y[i] = swiglu(acc[i], acc[4 + i]);
-                        ll_store16(P.h_ll + W.g_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
-                    }
-                }
-                release_slot(2);
             }
+            release_slot(2);
             mark(a, 11);
         }
         // ================= P5: down projection (K split in parts of 64 chunks, or longer parts where the CTA's
@@ -991,48 +776,31 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             wait_slot(a, 3);
             mark(a, 13);
             const Slot& slot = P.slot[3];
-            const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
-            if constexpr (TC) {
-                const int tiles = (W.d_quads + 3) / 4, steps = F / 128;
-                tile_dots<T, CWARPS>(smem, slot, tiles, steps, quad_rows(W.d_quads), stage(), xsum, P.midpoint,
-                                     P.scale_bf16, slot.zeros != 0, P.fold != 0, partials());
-                consumers_sync<CONSUMERS>();  // the partial sums
-                for (int q = ct; q < W.d_quads; q += CONSUMERS) {
-                    float y[4];
-                    tile_sums<CWARPS, 4>(partials(), tiles, steps, q >> 2, (q & 3) * 4, 1, y);
-                    ll_store16(P.down_ll + W.d_quad0 + q, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
-                }
-                release_after_outputs(3);
-            } else {
-                const int chunks = F / 32;
-                int span = 64;
-                if (W.d_quads * ((chunks + span - 1) / span) > CWARPS && W.d_quads <= CWARPS) {
-                    const int parts_that_fit = CWARPS / W.d_quads;
-                    span = (chunks + parts_that_fit - 1) / parts_that_fit;
-                }
-                const int parts = (chunks + span - 1) / span, tasks = W.d_quads * parts;
-                for (int task = cwarp; task < tasks; task += CWARPS) {
-                    const int q = task / parts, part = task % parts;
-                    const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
-                    float acc[4];
-                    smem_dots<T, 4>(smem, slot, lrow, stage(), part * span, min(chunks, part * span + span),
-                                    P.midpoint, P.scale_bf16, slot.zeros != 0, acc);
-                    if (lane < 4)
-                        partials()[task * 4 + lane] = lane == 0   ? acc[0]
-                                                      : lane == 1 ? acc[1]
-                                                      : lane == 2 ? acc[2]
-                                                                  : acc[3];
-                }
-                consumers_sync<CONSUMERS>();
-                if (ct < W.d_quads) {
-                    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                    for (int part = 0; part < parts; ++part)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) y[i] += partials()[(ct * parts + part) * 4 + i];
-                    ll_store16(P.down_ll + W.d_quad0 + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
-                }
-                release_slot(3);
+            const int chunks = F / 32;
+            int span = 64;
+            if (W.d_quads * ((chunks + span - 1) / span) > CWARPS && W.d_quads <= CWARPS) {
+                const int parts_that_fit = CWARPS / W.d_quads;
+                span = (chunks + parts_that_fit - 1) / parts_that_fit;
             }
+            const int parts = (chunks + span - 1) / span, tasks = W.d_quads * parts;
+            for (int task = cwarp; task < tasks; task += CWARPS) {
+                const int q = task / parts, part = task % parts;
+                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};
+                float acc[4];
+                smem_dots<T, 4>(smem, slot, lrow, stage(), part * span, min(chunks, part * span + span), P.midpoint,
+                                P.scale_bf16, slot.zeros != 0, acc);
+                if (lane < 4) partials()[task * 4 + lane] = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+            }
+            consumers_sync<CONSUMERS>();
+            const unsigned seq = seq_of(epoch, apps, a, PH_DOWN);
+            if (ct < W.d_quads) {
+                float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int part = 0; part < parts; ++part)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) y[i] += partials()[(ct * parts + part) * 4 + i];
+                ll_store16(P.down_ll + W.d_quad0 + ct, pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]), seq);
+            }
+            release_slot(3);
             mark(a, 14);
         }
     }

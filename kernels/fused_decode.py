@@ -46,15 +46,6 @@ RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu con
 THREAD_CHOICES = (384, 512)
 # Experiments and tests: one CTA size instead of the choice (a model it cannot serve is refused).
 THREADS: int | None = None
-# The projections on the tensor cores (mma.sync m16n8k16, 16-row tiles of 128-column steps split evenly over the
-# consumer warps) where every K is a multiple of 128 and no phase has more tiles than consumer warps; else (or off) on
-# the CUDA cores (smem_dots). Off only for A/B runs and the tests of the CUDA-core kernel.
-TENSOR_CORES = True
-TC_STEP = 128  # columns of one tensor-core step
-TC_MAX_STEPS = 128  # fused_decode.cu MAX_STEPS: steps of the widest staged vector
-# Tensor cores, bf16, groups of 128+ columns: weights as MAGIC + q (no subtraction) and the magic offset folded out
-# through the staged input's step sums. Off only for A/B runs and tests (each weight pair then costs a subtraction).
-FOLD_OFFSET = True
 MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KINDS = ("qweight", "scales", "zeros")
 LOOP_END = 1
@@ -104,7 +95,7 @@ class SlotStruct(ctypes.Structure):
 class ParamsStruct(ctypes.Structure):
     _fields_ = [(name, _i32) for name in ("H", "F", "Hq", "Hkv", "D", "Gq", "apps", "S", "G", "mode",
                                           "final_every_loop", "final_end", "rope_interleaved", "scale_bf16",
-                                          "midpoint", "chunk", "inflight", "fold")]  # fmt: skip
+                                          "midpoint", "chunk", "inflight")]  # fmt: skip
     _fields_ += [("eps", _f32), ("scale_log2", _f32)]
     _fields_ += [(name, _ptr) for name in ("block_table", "lengths", "starts", "positions", "final_w", "gate_w",
                                            "gate_b", "hidden_out", "gates_out", "epoch", "q_ll", "k_ll", "v_ll",
@@ -164,7 +155,6 @@ class Layout:
     smem_bytes: int
     splits: int
     threads: int  # per CTA
-    tensor_cores: bool  # the projections on the tensor cores (TENSOR_CORES and tensor_core_refusal)
 
 
 def grid_for(sms: int, shapes: Shapes) -> int:
@@ -241,39 +231,12 @@ def layout(shapes: Shapes, ctas: int, chunk: int = CHUNK_BYTES) -> Layout | str:
     stage_bytes = max(stage_bytes, 4 * attention_floats, 4 * gq * splits * (D + 2))
     offset = _align(offset + stage_bytes)
     partials = offset
-    cwarps = (threads - 32) // 32
-    offset = _align(offset + max(MAX_TASKS * 4 * 4, cwarps * 2 * 16 * 4))  # down's K parts; TC: 2 tiles x 16 a warp
+    offset = _align(offset + MAX_TASKS * 4 * 4)
     for cta in work:
         reason = _pieces(cta, slots, shapes, chunk)
         if reason:
             return reason
-    tensor_cores = TENSOR_CORES and tensor_core_refusal(shapes, work, cwarps) is None
-    return Layout(work, slots, xres, stage, partials, offset, splits, threads, tensor_cores)
-
-
-def phase_tiles(cta: CtaWork) -> tuple[int, int, int, int]:
-    """16-row tiles of a CTA's QKV (8 pair units a tile), O, gate/up (gate tiles, then up) and down rows."""
-
-    def quads(n: int) -> int:
-        return -(-n // 4)
-
-    return -(-cta.units[1] // 8), quads(cta.o_quads[1]), 2 * quads(cta.g_quads[1]), quads(cta.d_quads[1])
-
-
-def tensor_core_refusal(shapes: Shapes, work: list[CtaWork], cwarps: int) -> str | None:
-    """Why the projections cannot run on the tensor cores (None: they can)."""
-    widths = {"hidden_size": shapes.hidden, "intermediate_size": shapes.intermediate,
-              "heads x head_dim": shapes.heads * shapes.head_dim}  # fmt: skip
-    for name, K in widths.items():
-        if K % TC_STEP:
-            return f"{name} {K} is not a multiple of {TC_STEP}"
-    widest = max(shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim)
-    if widest > TC_MAX_STEPS * TC_STEP:
-        return f"a staged vector of {widest} values is wider than {TC_MAX_STEPS} steps"
-    most = max(max(phase_tiles(cta)) for cta in work)
-    if most > cwarps:
-        return f"a phase has {most} tiles for {cwarps} consumer warps"
-    return None
+    return Layout(work, slots, xres, stage, partials, offset, splits, threads)
 
 
 def _pieces(cta: CtaWork, slots: list[dict], shapes: Shapes, chunk: int) -> str | None:
@@ -422,7 +385,6 @@ class Plan:
     threads: int
     smem: int
     slots: list[int]  # cache slots written, in application order
-    tensor_cores: bool  # the projections on the tensor cores
 
 
 class FusedDecode:
@@ -498,8 +460,7 @@ class FusedDecode:
             return plan
         gq = Hq // Hkv
         maxg = next(g for g in (1, 2, 4, 8) if g >= gq)
-        tc = "true" if plan.tensor_cores else "false"
-        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}, {plan.threads}, {tc}>"
+        name = f"fused::fused_decode<{cuda_type(dtype)}, {D}, {maxg}, {plan.threads}>"
         limit = _smem_limit(device) - 4096  # less the kernel's static shared memory (3,456 bytes: ptxas, sm_90)
         if plan.smem_bytes > limit:
             return f"its shared memory ({plan.smem_bytes} bytes) exceeds the device's {limit}"
@@ -575,8 +536,7 @@ class FusedDecode:
                                 final_every_loop=int(config.final_norm == "every_loop"),
                                 final_end=int(config.final_norm == "end"), rope_interleaved=int(shapes.interleaved),
                                 scale_bf16=int(layers[0].self_attn.q_proj.scales.dtype == torch.bfloat16),
-                                midpoint=fmt.midpoint, chunk=CHUNK_BYTES, inflight=INFLIGHT,
-                                fold=int(FOLD_OFFSET)).items():  # fmt: skip
+                                midpoint=fmt.midpoint, chunk=CHUNK_BYTES, inflight=INFLIGHT).items():  # fmt: skip
             setattr(params, member, value)
         params.eps = config.rms_norm_eps
         params.scale_log2 = D**-0.5 * math.log2(math.e)
@@ -607,8 +567,7 @@ class FusedDecode:
             target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
-        plan_fields = (name, grid, plan.threads, plan.smem_bytes, slots, plan.tensor_cores)
-        return Plan(device_bytes(params), keep, hidden_out, gates_out, *plan_fields)
+        return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots)
 
 
 def _smem_limit(device: torch.device) -> int:

@@ -16,8 +16,28 @@
 // each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together, half of
 // the warps each); the warps split K in 16-word steps per row and reduce through shared memory.
 #include "quant_layout.cuh"
-#include "mma.cuh"
 #include "rope_epilogue.cuh"
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    if constexpr (Magic<T>::bits == 0x4300u) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+template <typename T> __device__ __forceinline__ unsigned vec2_bits(typename Vec2<T>::type v) {
+    return *reinterpret_cast<unsigned*>(&v);
+}
 
 // One row's part of a step as loaded: its 4 words, INT3 high bits, and the scale / zero of the (at most two)
 // groups the words span (INT2/INT3: 64 columns, groups of 32).

@@ -68,31 +68,16 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=8)  # 
     [("ouro", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g32", torch.float16, {}),
      ("llama", "int4-g32", torch.bfloat16, {}), ("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE)],
 )  # fmt: skip
-@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
-def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(
-    variant, quant, dtype, shape, tensor_cores, per_op, monkeypatch
-):
-    monkeypatch.setattr(fused_decode, "TENSOR_CORES", tensor_cores)
-    # the CTA size these shapes get, and the projections' cores asked for
-    assert _check_closeness(variant, quant, dtype, shape, per_op) == {(384, tensor_cores)}
+def test_fused_decode_is_as_close_to_the_reference_as_the_per_op_path(variant, quant, dtype, shape, per_op):
+    assert _check_closeness(variant, quant, dtype, shape, per_op) == {384}  # the CTA size these shapes get
 
 
 @pytest.mark.parametrize("variant, shape", [("ouro", {}), ("llama", {}), ("ouro", WIDE)])
-@pytest.mark.parametrize("tensor_cores", [True, False], ids=["tensor-cores", "cuda-cores"])
-def test_the_16_warp_kernel_is_as_close_as_the_12_warp_one(variant, shape, tensor_cores, per_op, monkeypatch):
+def test_the_16_warp_kernel_is_as_close_as_the_12_warp_one(variant, shape, per_op, monkeypatch):
     """The 512-thread CTAs (for vectors too wide for 384: 2 QKV units per warp task, 15 consumer warps) forced on the
     shapes the default 384 serves: the same bounds."""
     monkeypatch.setattr(fused_decode, "THREADS", 512)
-    monkeypatch.setattr(fused_decode, "TENSOR_CORES", tensor_cores)
-    assert _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op) == {(512, tensor_cores)}
-
-
-@pytest.mark.parametrize("fold", [True, False], ids=["folded-offset", "exact-weights"])
-def test_the_tensor_cores_fold_of_the_magic_offset_keeps_the_bounds(fold, per_op, monkeypatch):
-    """Groups of 128 columns at bf16: the tensor-core weights as MAGIC + q with the offset folded out through the
-    staged input's step sums (the default), or as the exact (q - z); both within the same bounds."""
-    monkeypatch.setattr(fused_decode, "FOLD_OFFSET", fold)
-    assert _check_closeness("ouro", "int4-g128-sym-bf16", torch.bfloat16, WIDE, per_op) == {(384, True)}
+    assert _check_closeness(variant, "int4-g32", torch.bfloat16, shape, per_op) == {512}
 
 
 def _check_closeness(variant, quant, dtype, shape, per_op):
@@ -113,7 +98,7 @@ def _check_closeness(variant, quant, dtype, shape, per_op):
     assert fused_error.max() <= 2 * per_op_error.max() + 2e-3 * scale, errors
     assert fused_error.mean() <= 1.5 * per_op_error.mean() + 1e-4 * scale, errors
     assert (got - baseline).abs().max() <= 1e-2 * scale, errors
-    return {(plan.threads, plan.tensor_cores) for plan in fast._cuda_path.fused.plans.values()}
+    return {plan.threads for plan in fast._cuda_path.fused.plans.values()}
 
 
 def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
