@@ -160,6 +160,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
+    parser.add_argument("--paged-wide", type=int, nargs=2, metavar=("THREADS", "UNROLL"),
+                        help="one paged-decode CTA of THREADS per (row, KV head) (ops_cuda.PAGED_WIDE)")
     parser.add_argument("--junction-programmatic", action="store_true",
                         help="residual junctions launched programmatically at every batch")
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
@@ -190,6 +192,8 @@ def apply_switches(args: argparse.Namespace) -> None:
     ops_cuda.PAGED_CLUSTER_PROGRAMMATIC = args.paged_cluster_programmatic
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
+    if args.paged_wide:
+        ops_cuda.PAGED_WIDE = tuple(args.paged_wide)
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
     fused_decode.COOPERATIVE = not args.plain_fused_launch
@@ -205,6 +209,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
+    label += f", paged decode {args.paged_wide[0]} threads x {args.paged_wide[1]}" if args.paged_wide else ""
     return label
 
 

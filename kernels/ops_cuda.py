@@ -70,9 +70,11 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
-        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}>" for t in types for i in (0, 1)
+        "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}, {n}, {u}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
-                               for d in (PAGED_DIMS if full else (128,))],
+                               for d in (PAGED_DIMS if full else (128,))
+                               for n, u in ((_THREADS, _DECODE_UNROLL), *(() if c > 1 else PAGED_WIDE_SHAPES))
+                               if full or n == _THREADS or (t, i, g) == ("__nv_bfloat16", 0, 1)],
         "sampling.cu": [f"sample_tokens<{t}>" for t in types],
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
                                for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
@@ -614,14 +616,30 @@ def decode_cluster(device: torch.device) -> int:
     return DECODE_CLUSTER if sm90_or_newer(device) else 1
 
 
-def _decode_shared_floats(vectors: int, dim: int, splits: int) -> int:
+def _decode_shared_floats(vectors: int, dim: int, splits: int, threads: int = _THREADS) -> int:
     """Shared memory of paged_decode in 4-byte words: q (then the CTA's o), per-sub o and (m, l), the CTA's (m, l),
     the global merge's weight per split."""
-    subs = _THREADS // (dim // 8)
+    subs = threads // (dim // 8)
     return vectors * dim + subs * vectors * (dim + 2) + 2 * vectors + vectors * splits
 
 
 _DECODE_CTAS = 528  # ~4 CTAs per SM of an H100 / H200 (132 SMs)
+# (threads, tokens per thread per step) of paged-decode CTAs where every (row, KV head) has one CTA of its own
+# (launches of at least PAGED_WIDE_MIN_CTAS (row, KV head) pairs): all of a 256-token context's K/V loads in flight in
+# one or two steps, no split merge through global memory. None: the split CTAs of 128 threads everywhere. A/B switch
+# for eval scripts (ablate_decode --paged-wide THREADS UNROLL).
+PAGED_WIDE: tuple[int, int] | None = None
+PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it
+PAGED_WIDE_MIN_CTAS = 132
+
+
+def decode_shape(batch: int, kv_heads: int, vectors: int, dim: int) -> tuple[int, int]:
+    """(threads, unroll) of a paged-decode launch over ``batch`` rows of ``kv_heads`` KV heads, ``vectors`` query
+    vectors of ``dim`` per CTA."""
+    wide = PAGED_WIDE is not None and batch * kv_heads >= PAGED_WIDE_MIN_CTAS
+    if wide and 4 * _decode_shared_floats(vectors, dim, 1, PAGED_WIDE[0]) <= _SMEM_LIMIT:
+        return PAGED_WIDE
+    return _THREADS, _DECODE_UNROLL
 
 
 def decode_partition(
@@ -634,7 +652,10 @@ def decode_partition(
     (16 KV heads, D 128, one call, KV in HBM): batch 1 at 200 tokens 6.4 us in clusters of 8 against 10.8 us in
     single CTAs; at 2,000 tokens 15.7 against 16.1; at 8,000 tokens (5 units of 8) 51.4 against 36.1 (33 single
     CTAs); batch 16 x 16 KV heads in clusters of 8 27.7 us against 18.1 for 3 single-CTA splits."""
-    tokens_per_split = 2 * _DECODE_UNROLL * (_THREADS // (dim // 8))
+    threads, unroll = decode_shape(batch, kv_heads, vectors, dim)
+    tokens_per_split = 2 * unroll * (threads // (dim // 8))
+    if threads != _THREADS:  # wide CTAs: one per (row, KV head), a long context's tokens in more steps
+        return 1, tokens_per_split, 1
     small_batch = batch * kv_heads * max_cluster <= _DECODE_CTAS
     cluster = max_cluster if small_batch and capacity <= 4 * max_cluster * tokens_per_split else 1
     wanted = min(math.ceil(_DECODE_CTAS / (batch * kv_heads)), math.ceil(capacity / tokens_per_split))
@@ -693,10 +714,11 @@ def paged_decode(
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
-    smem = 4 * _decode_shared_floats(vectors, dim, splits)
+    threads, unroll = decode_shape(batch, kv_heads, vectors, dim)
+    smem = 4 * _decode_shared_floats(vectors, dim, splits, threads)
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
-    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}>"
-    launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (_THREADS,), args, shared_mem=smem,
+    name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {threads}, {unroll}>"
+    launch(kernel("paged_attention.cu", name), (kv_heads, batch, splits), (threads,), args, shared_mem=smem,
            dependent=PAGED_PROGRAMMATIC and (cluster == 1 or PAGED_CLUSTER_PROGRAMMATIC), cluster=cluster)  # fmt: skip
     return out.view(rows, heads * dim)
 

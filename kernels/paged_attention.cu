@@ -20,9 +20,6 @@
 #include "cluster.cuh"
 
 constexpr int PAGE = 16;
-constexpr int DECODE_THREADS = 128;
-// Tokens per thread whose K and V loads are in flight together (raw: 10 registers each).
-constexpr int UNROLL = 4;
 
 // 8 consecutive K or V elements of one token and head as loaded (a 16-byte load in T; 8 bytes and the token's
 // scale in int8): kept raw until used, so UNROLL tokens' loads fit in registers together.
@@ -106,10 +103,11 @@ __device__ __forceinline__ Raw8 quantize_staged(const T* staged, long long stage
 // A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of 128 threads works on
 // 1024/D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
 // output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
-// flight together, with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2, 4 or 8) bounds the query
-// vectors per CTA (G * Q).
-template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D>
-__global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
+// flight together (raw: 10 registers each), with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2,
+// 4 or 8) bounds the query vectors per CTA (G * Q). THREADS (128 or 256) x UNROLL set how many tokens a CTA has in
+// flight per step of its token loop.
+template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D, int THREADS, int UNROLL>
+__global__ void __launch_bounds__(THREADS) paged_decode(
     const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
     const T* staged_v, const int* __restrict__ block_table, const int* __restrict__ lengths,
     const int* __restrict__ starts, T* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
@@ -123,7 +121,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     const int G = Hq / Hkv, V = G * Q;
     // D is a template argument: the index arithmetic (threads per token, subs, element of a vector) is shifts and
     // the subs' merge unrolls, which at batch 16 (64 tokens per CTA) is most of a CTA's instructions otherwise.
-    constexpr int per_token = D / 8, subs = DECODE_THREADS / per_token, warps = DECODE_THREADS / 32;
+    constexpr int per_token = D / 8, subs = THREADS / per_token, warps = THREADS / 32;
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float* q_s = smem;                        // [V][D]; after the token loop, the CTA's merged (unnormalized) o
@@ -191,7 +189,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
         const int i = u * subs + sub;
         if (i < n && t0 + i >= length - Q) load_token(u, i, table[(t0 + i) / PAGE]);
     }
-    for (int i = threadIdx.x; i < V * D; i += DECODE_THREADS)
+    for (int i = threadIdx.x; i < V * D; i += THREADS)
         q_s[i] = to_float(q[row_of(i / D) * D + i % D]) * scale_log2;
     __syncthreads();  // q_s
     // The math of a step whose loads are in k_raw / v_raw. FULL: every token of the step is valid and attended (in
@@ -275,7 +273,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
     }
     __syncthreads();
     // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml.
-    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
+    for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         float top, sum;
         q_s[idx] = merged_states<subs, D>(sub_o, sub_ml, V, g, d, top, sum);
@@ -289,7 +287,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
         cluster_barrier();
         const unsigned rank = cluster_rank();
         const int share = (V * D + CLUSTER - 1) / CLUSTER;
-        for (int j = threadIdx.x; j < share; j += DECODE_THREADS) {
+        for (int j = threadIdx.x; j < share; j += THREADS) {
             const int idx = rank * share + j;
             if (idx >= V * D) break;
             const int g = idx / D, d = idx % D;
@@ -299,13 +297,13 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
         return;
     }
     if (active == 1) {
-        for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
+        for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
             const int g = idx / D;  // the thread that wrote q_s[idx] (and cta_ml for d == 0) reads it
             out[row_of(g) * D + idx % D] = from_float<T>(q_s[idx] / cta_ml[2 * g + 1]);
         }
         return;
     }
-    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
+    for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         const long long row = row_of(g);
         part_o[(row * splits + split) * D + d] = q_s[idx];
@@ -345,7 +343,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode(
         for (int i = lane; i < active; i += 32) weights[g * splits + i] /= sum;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < V * D; idx += DECODE_THREADS) {
+    for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         const long long row = row_of(g);
         float o = 0.0f;

@@ -168,7 +168,7 @@ def test_a_decode_step_launches_the_fused_kernels_per_layer(launches):
     assert all(int(p) != 0 for p in junction_of(gate_up_launch)[:5]) and int(junction_of(gate_up_launch)[6]) == 1
     assert gate_up_launch[4] == model.config.hidden_size * 2  # the normed row staged in shared memory (bf16)
     assert launches[2][2] == (kv_heads, 1, splits) and splits % cluster == 0  # paged decode grid: whole clusters
-    assert names[2].endswith(f", {cluster}, {dim}>")
+    assert names[2].endswith(f", {cluster}, {dim}, 128, 4>")  # 128-thread CTAs of split-KV, 4 tokens a step
     assert int(launches[2][3][13]) == cache.storage.split_counters.data_ptr()
     attention_launches = sum(name.startswith("paged_decode<__nv_bfloat16, 0, ") for name in names)
     assert attention_launches == model.config.num_loop_layers * model.config.num_loops
@@ -240,7 +240,7 @@ def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkey
     expected_cluster = ops_cuda.DECODE_CLUSTER if batch == 1 else 1
     assert all(cluster == expected_cluster for _, cluster, *_ in paged)
     assert all(dependent == (cluster == 1) for dependent, cluster, *_ in paged)
-    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}>") for _, _, name, _ in paged)
+    assert all(name.endswith(f", {expected_cluster}, {model.config.head_dim}, 128, 4>") for _, _, name, _ in paged)
 
 
 def test_int8_kv_passes_scales(launches):

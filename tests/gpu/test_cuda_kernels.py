@@ -170,12 +170,15 @@ class _Cache:
     [(1, 16, 1, 128, 2048, 1), (3, 2, 4, 64, 300, 1), (2, 1, 8, 128, 64, 1), (1, 16, 1, 128, 2048, 3),
      (3, 2, 2, 64, 300, 4), (3, 4, 1, 128, 520, 1)],
 )  # fmt: skip
-@pytest.mark.parametrize("cluster", [8, 1])  # ops_cuda.DECODE_CLUSTER (sm_90+), and single CTAs
-def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens, cluster,
+# ops_cuda.DECODE_CLUSTER (sm_90+), single CTAs, and one wide CTA per (row, KV head) (ops_cuda.PAGED_WIDE)
+@pytest.mark.parametrize("cluster,wide", [(8, None), (1, None), (1, (256, 4)), (1, (256, 8))])
+def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, capacity, new_tokens, cluster, wide,
                                    monkeypatch):  # fmt: skip
     from tinyloop_hf.paged_cache import PAGE_SIZE
 
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: cluster)  # 1: the pre-sm_90 kernel
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", wide)
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MIN_CTAS", 1)
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
     lengths = torch.tensor([capacity - 7 * b for b in range(batch)], dtype=torch.int32)
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
@@ -190,7 +193,11 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     # Rows of 2048 tokens use several units of splits (merged through global memory), the others one (a cluster
     # merged in shared memory, or a single CTA); row lengths differ, so one launch mixes both.
     splits, tokens_per_split, used = ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity, cluster)
-    assert used == cluster and (splits > cluster) == (capacity > cluster * tokens_per_split)
+    threads, _ = ops_cuda.decode_shape(batch, kv_heads, vectors, dim)
+    if threads > 128:  # wide CTAs: one per (row, KV head) at any length
+        assert (splits, used) == (1, 1) and wide is not None
+    else:
+        assert used == cluster and (splits > cluster) == (capacity > cluster * tokens_per_split)
     # The last split of each (row, KV head) merges and resets its counter: a second launch gives the same output.
     assert not storage.split_counters.any()
     again = ops_cuda.paged_decode(query, _Cache(storage), pages, scale, new_tokens=new_tokens)

@@ -239,13 +239,17 @@ def test_graphs_equal_eager_with_and_without_programmatic_launch(variant, progra
     assert {key[0] for key in fast._cuda_path.graphs} == {"decode", "prefill"}
 
 
+@pytest.mark.parametrize("wide", [None, (256, 8)])  # ops_cuda.PAGED_WIDE: one CTA per (row, KV head)
 @pytest.mark.parametrize("variant", ["ouro", "llama"])
-def test_graphs_equal_eager_with_programmatic_paged_decode(variant, monkeypatch):
+def test_graphs_equal_eager_with_programmatic_paged_decode(variant, wide, monkeypatch):
     """Enough rows that paged decode's splits are single CTAs, which graphs launch programmatically: the cached
     tokens' K/V are loaded before pdl_wait while the QKV launch still writes q and the new token's K/V (loaded after
     it). Graph replays give the eager tokens and scores exactly."""
     from tinyloop_hf.cuda_path import capacity_bucket
     from tinyloop_hf.kernels import loader, ops_cuda
+
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", wide)
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MIN_CTAS", 1)
 
     config = _model(variant).config
     kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
