@@ -161,7 +161,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
     parser.add_argument("--paged-wide", type=int, nargs=2, metavar=("THREADS", "UNROLL"),
-                        help="one paged-decode CTA of THREADS per (row, KV head) (ops_cuda.PAGED_WIDE)")
+                        help="one paged-decode CTA of THREADS per (row, KV head) (ops_cuda.PAGED_WIDE; 0 0: off)")
+    parser.add_argument("--paged-wide-max-tokens", type=int, help="ops_cuda.PAGED_WIDE_MAX_TOKENS")
     parser.add_argument("--junction-programmatic", action="store_true",
                         help="residual junctions launched programmatically at every batch")
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
@@ -193,7 +194,9 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.decode_ctas:
         ops_cuda._DECODE_CTAS = args.decode_ctas
     if args.paged_wide:
-        ops_cuda.PAGED_WIDE = tuple(args.paged_wide)
+        ops_cuda.PAGED_WIDE = tuple(args.paged_wide) if args.paged_wide[0] else None
+    if args.paged_wide_max_tokens:
+        ops_cuda.PAGED_WIDE_MAX_TOKENS = args.paged_wide_max_tokens
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
     fused_decode.COOPERATIVE = not args.plain_fused_launch
@@ -209,7 +212,10 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
-    label += f", paged decode {args.paged_wide[0]} threads x {args.paged_wide[1]}" if args.paged_wide else ""
+    if args.paged_wide:
+        threads, unroll = args.paged_wide
+        label += f", paged decode {threads} threads x {unroll}" if threads else ", split paged decode"
+    label += f", wide paged decode up to {args.paged_wide_max_tokens} tokens" if args.paged_wide_max_tokens else ""
     return label
 
 

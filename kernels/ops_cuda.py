@@ -624,19 +624,22 @@ def _decode_shared_floats(vectors: int, dim: int, splits: int, threads: int = _T
 
 
 _DECODE_CTAS = 528  # ~4 CTAs per SM of an H100 / H200 (132 SMs)
-# (threads, tokens per thread per step) of paged-decode CTAs where every (row, KV head) has one CTA of its own
-# (launches of at least PAGED_WIDE_MIN_CTAS (row, KV head) pairs): all of a 256-token context's K/V loads in flight in
-# one or two steps, no split merge through global memory. None: the split CTAs of 128 threads everywhere. A/B switch
-# for eval scripts (ablate_decode --paged-wide THREADS UNROLL).
-PAGED_WIDE: tuple[int, int] | None = None
+# (threads, tokens per thread per step) of paged-decode CTAs where every (row, KV head) gets one CTA of its own:
+# launches of at least PAGED_WIDE_MIN_CTAS (row, KV head) pairs whose capacity is at most PAGED_WIDE_MAX_TOKENS. No
+# split merge through global memory (partials, fence, counter, the last CTA's merge). H200, Ouro-1.4B shape, INT4,
+# L = 4, batch 16, 192 cached tokens, one graph replay: 4.371 ms with (256, 4) and 4.378 with (256, 8) against 4.594
+# for 3 split CTAs of 128 threads per (row, KV head); paged decode adds 9.6 us per layer application instead of 12.6.
+# None: split CTAs everywhere. A/B switch for eval scripts (ablate_decode --paged-wide THREADS UNROLL).
+PAGED_WIDE: tuple[int, int] | None = (256, 4)
 PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it
 PAGED_WIDE_MIN_CTAS = 132
+PAGED_WIDE_MAX_TOKENS = 512
 
 
-def decode_shape(batch: int, kv_heads: int, vectors: int, dim: int) -> tuple[int, int]:
+def decode_shape(batch: int, kv_heads: int, vectors: int, dim: int, capacity: int) -> tuple[int, int]:
     """(threads, unroll) of a paged-decode launch over ``batch`` rows of ``kv_heads`` KV heads, ``vectors`` query
-    vectors of ``dim`` per CTA."""
-    wide = PAGED_WIDE is not None and batch * kv_heads >= PAGED_WIDE_MIN_CTAS
+    vectors of ``dim`` per CTA, pages for ``capacity`` tokens per row."""
+    wide = PAGED_WIDE is not None and batch * kv_heads >= PAGED_WIDE_MIN_CTAS and capacity <= PAGED_WIDE_MAX_TOKENS
     if wide and 4 * _decode_shared_floats(vectors, dim, 1, PAGED_WIDE[0]) <= _SMEM_LIMIT:
         return PAGED_WIDE
     return _THREADS, _DECODE_UNROLL
@@ -652,7 +655,7 @@ def decode_partition(
     (16 KV heads, D 128, one call, KV in HBM): batch 1 at 200 tokens 6.4 us in clusters of 8 against 10.8 us in
     single CTAs; at 2,000 tokens 15.7 against 16.1; at 8,000 tokens (5 units of 8) 51.4 against 36.1 (33 single
     CTAs); batch 16 x 16 KV heads in clusters of 8 27.7 us against 18.1 for 3 single-CTA splits."""
-    threads, unroll = decode_shape(batch, kv_heads, vectors, dim)
+    threads, unroll = decode_shape(batch, kv_heads, vectors, dim, capacity)
     tokens_per_split = 2 * unroll * (threads // (dim // 8))
     if threads != _THREADS:  # wide CTAs: one per (row, KV head), a long context's tokens in more steps
         return 1, tokens_per_split, 1
@@ -714,7 +717,7 @@ def paged_decode(
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
-    threads, unroll = decode_shape(batch, kv_heads, vectors, dim)
+    threads, unroll = decode_shape(batch, kv_heads, vectors, dim, storage.capacity)
     smem = 4 * _decode_shared_floats(vectors, dim, splits, threads)
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
     name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {threads}, {unroll}>"

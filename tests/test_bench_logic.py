@@ -23,6 +23,7 @@ from tinyloop_hf.eval.bench import (
     regression_check,
     weight_bytes,
 )
+from tinyloop_hf.kernels import ops_cuda
 from tinyloop_hf.kernels.ops_cuda import _SMEM_LIMIT, _decode_shared_floats, decode_partition
 from tinyloop_hf.quantizer_tinyloop import replace_linears
 
@@ -114,11 +115,27 @@ def test_regression_check_fails_on_a_tinyloop_row_that_no_longer_fits(tmp_path, 
     assert regression_check(ROWS[1:], baseline, 0.8) == 0  # a row not asked for this time is no regression
 
 
+@pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (1, 16)])
+def test_wide_paged_decode_ctas_serve_many_short_rows_within_shared_memory(group, dim):
+    """One 256-thread CTA per (row, KV head), no split merge, where the launch fills the GPU's SMs and the rows are
+    short; split CTAs of 128 threads otherwise (few rows: batch 1's clusters; long contexts: many steps per CTA)."""
+    kv_heads = 16 // group
+    for batch, capacity in ((16, 256), (16, 512), (64, 128), (1, 256), (4, 256), (16, 2048)):
+        wide = batch * kv_heads >= ops_cuda.PAGED_WIDE_MIN_CTAS and capacity <= ops_cuda.PAGED_WIDE_MAX_TOKENS
+        fits = 4 * _decode_shared_floats(group, dim, 1, 256) <= _SMEM_LIMIT
+        threads, unroll = ops_cuda.decode_shape(batch, kv_heads, group, dim, capacity)
+        assert (threads, unroll) == (ops_cuda.PAGED_WIDE if wide and fits else (128, 4)), (batch, capacity)
+        splits, _, cluster = decode_partition(batch, kv_heads, group, dim, capacity, 8)
+        if threads == 256:
+            assert (splits, cluster) == (1, 1)
+
+
 @pytest.mark.parametrize("batch", [1, 16, 64])
 @pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (8, 256), (1, 16)])
 @pytest.mark.parametrize("capacity", [128, 2048, 8192, 16384])
 @pytest.mark.parametrize("max_cluster", [1, 8])
-def test_decode_partition_fills_the_gpu_within_shared_memory(batch, group, dim, capacity, max_cluster):
+def test_decode_partition_fills_the_gpu_within_shared_memory(batch, group, dim, capacity, max_cluster, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", None)  # split CTAs everywhere (wide CTAs: the test below)
     kv_heads = 16 // group if group < 16 else 1
     splits, tokens_per_split, cluster = decode_partition(batch, kv_heads, group, dim, capacity, max_cluster)
     assert splits % cluster == 0 and splits >= cluster

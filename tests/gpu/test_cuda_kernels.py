@@ -179,6 +179,7 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: cluster)  # 1: the pre-sm_90 kernel
     monkeypatch.setattr(ops_cuda, "PAGED_WIDE", wide)
     monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MIN_CTAS", 1)
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MAX_TOKENS", 1 << 20)  # wide CTAs at 2048 tokens too: many steps
     storage, pages = _paged_inputs(batch, kv_heads, group, dim, capacity, dtype, int8)
     lengths = torch.tensor([capacity - 7 * b for b in range(batch)], dtype=torch.int32)
     starts = torch.tensor([3 * b for b in range(batch)], dtype=torch.int32)
@@ -193,7 +194,7 @@ def test_paged_decode_matches_sdpa(dtype, int8, batch, kv_heads, group, dim, cap
     # Rows of 2048 tokens use several units of splits (merged through global memory), the others one (a cluster
     # merged in shared memory, or a single CTA); row lengths differ, so one launch mixes both.
     splits, tokens_per_split, used = ops_cuda.decode_partition(batch, kv_heads, vectors, dim, capacity, cluster)
-    threads, _ = ops_cuda.decode_shape(batch, kv_heads, vectors, dim)
+    threads, _ = ops_cuda.decode_shape(batch, kv_heads, vectors, dim, capacity)
     if threads > 128:  # wide CTAs: one per (row, KV head) at any length
         assert (splits, used) == (1, 1) and wide is not None
     else:

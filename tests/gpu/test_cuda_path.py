@@ -248,9 +248,7 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, wide, monkey
     from tinyloop_hf.cuda_path import capacity_bucket
     from tinyloop_hf.kernels import loader, ops_cuda
 
-    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", wide)
-    monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MIN_CTAS", 1)
-
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", None)  # the batch below: the split CTAs' choice
     config = _model(variant).config
     kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
     max_cluster, capacity = ops_cuda.decode_cluster(torch.device("cuda")), capacity_bucket(12 + 8)
@@ -259,6 +257,8 @@ def test_graphs_equal_eager_with_programmatic_paged_decode(variant, wide, monkey
         return ops_cuda.decode_partition(rows, kv_heads, heads // kv_heads, config.head_dim, capacity, max_cluster)[2]
 
     batch = next(rows for rows in itertools.count(1) if cluster(rows) == 1)  # the smallest of single-CTA splits
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE", wide)  # at that batch (one row would take the fused decode kernel)
+    monkeypatch.setattr(ops_cuda, "PAGED_WIDE_MIN_CTAS", 1)
     programmatic, launch = [], loader.launch
 
     def record(fn, grid, block, args, shared_mem=0, dependent=False, cluster=1):
