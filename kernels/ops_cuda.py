@@ -274,7 +274,10 @@ def _gemv(
                 name = name.replace(", false>", ", true>")
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
             function = kernel("gemm_quant_mma.cu", name)
-            if plan.mma_shared > _SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.mma_shared:
+            # Past 48 KiB a CTA's shared memory (the staged rows and the static partial sums of its warps:
+            # gemm_quant_mma.cu) needs the function's opt-in.
+            static = 4 * (threads // 32) * (1 if chunk <= 8 else 2) * 4 * 32 + 16
+            if plan.mma_shared + static > _SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.mma_shared:
                 function.max_dynamic_shared_size_bytes = plan.mma_shared
             launch(function, (ctas,), (threads,), args, shared_mem=plan.mma_shared, dependent=True)
         return y

@@ -131,16 +131,20 @@ def test_staged_weight_rows_give_the_same_products(bits, group, mma_warps, monke
     qkv = [_quant_layer(n, 576, fmt, seed=n, bias=True).to(dtype) for n in (100, 40, 40)]
     gate_up = [_quant_layer(256, 576, fmt, seed=s).to(dtype) for s in (1, 2)]
     down = _quant_layer(576, 256, fmt, seed=3).to(dtype)
+    long_rows = _quant_layer(96, 5632, fmt, seed=4).to(dtype)  # K of Ouro-1.4B's down_proj: past 48 KiB a CTA
     outputs = {}
     for staged in (False, True):
         monkeypatch.setattr(ops_cuda, "MMA_STAGED", staged)
-        for layer in (*qkv, *gate_up, down):
+        for layer in (*qkv, *gate_up, down, long_rows):
             layer.__dict__.pop("_gemv_plans", None)  # plans keep the choice
         results = []
         for rows in (2, 9, 16, 20):
             x = torch.randn(rows, 576, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(rows))
             hidden = ops_cuda.project(x, gate_up, swiglu=True)
             results += [ops_cuda.project(x, qkv), hidden, ops_cuda.project(hidden, [down])]
+            seed = torch.Generator("cuda").manual_seed(7)
+            long_x = torch.randn(rows, 5632, device="cuda", dtype=dtype, generator=seed)
+            results.append(ops_cuda.project(long_x, [long_rows]))
         outputs[staged] = results
         names = {plan.mma_launches[2][0] for layer in (qkv[0], gate_up[0], down)
                  for plan in layer.__dict__["_gemv_plans"].values()}  # fmt: skip
