@@ -2,11 +2,11 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 filter() { grep -vE "Warning|warn|cudagraph|^W[0-9]"; }
-timeout 120 .ci/run-gpu -k "staged or programmatic_paged_decode or rope_epilogue" --tb=short > "$OUT/tests.log" 2>&1
+timeout 100 .ci/run-gpu -k "staged or programmatic_paged_decode or rope_epilogue" --tb=short > "$OUT/tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -12
 cd /tmp
 for flags in "--batch 16" "--batch 16 --no-mma-staged" "--batch 16"; do
   timeout 60 python3 -m tinyloop_hf.eval.ablate_decode $flags 2>&1 | filter | tail -1
 done | tee "$OUT/ablate.log"
-timeout 330 tinyloop-bench --bits 4 --batch 1 16 --no-gemv --peers eager --peer-batches 1 --out "$OUT/bench" \
+timeout 395 tinyloop-bench --bits 4 --batch 1 16 --no-gemv --peers eager --peer-batches 1 --out "$OUT/bench" \
     --baseline "$OLDPWD/eval/results/bench-h200.json" 2>&1 | filter | tail -14
