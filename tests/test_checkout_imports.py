@@ -20,9 +20,10 @@ def test_the_kernels_folder_does_not_hide_hugging_face_kernels_from_a_checkout_r
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     imported = Path(result.stdout.strip().splitlines()[-1]).resolve()
+    assert imported.name == "__init__.py"
     try:
         importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:  # transformers < 5.25 without it: our folder, unused
         assert imported == ROOT / "kernels" / "__init__.py"
     else:
-        assert ROOT not in imported.parents, imported  # the installed package, not this checkout's folder
+        assert imported != ROOT / "kernels" / "__init__.py"  # the installed package, not this checkout's folder
