@@ -176,8 +176,9 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
 # The tensor-core kernel's weight rows copied into shared memory by TMA at its start (gemm_quant_mma.cu, STAGED) on
-# sm_90+, up to this many bytes per CTA (3 CTAs of the SwiGLU launch per SM at K 2048 keep 99 KB). A/B switch.
-MMA_STAGED = True
+# sm_90+, up to this many bytes per CTA (3 CTAs of the SwiGLU launch per SM at K 2048 keep 99 KB). Off until it is
+# measured on a GPU (ablate_decode --mma-staged). A/B switch.
+MMA_STAGED = False
 MMA_STAGED_MAX_BYTES = 64 * 1024
 
 
