@@ -157,8 +157,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="candidate kernel changes, compiled in by source patches")
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
-    parser.add_argument("--mma-staged", action=argparse.BooleanOptionalAction, default=None,
-                        help="tensor-core weight rows staged in shared memory by TMA (ops_cuda.MMA_STAGED)")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
@@ -188,8 +186,6 @@ def apply_switches(args: argparse.Namespace) -> None:
     attention_block.ATTENTION_BLOCK = args.attention_block
     attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
-    if args.mma_staged is not None:
-        ops_cuda.MMA_STAGED = args.mma_staged
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:
@@ -216,8 +212,6 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
-    if args.mma_staged is not None:
-        label += ", staged tensor-core weights" if args.mma_staged else ", unstaged tensor-core weights"
     if args.paged_wide:
         threads, unroll = args.paged_wide
         label += f", paged decode {threads} threads x {unroll}" if threads else ", split paged decode"

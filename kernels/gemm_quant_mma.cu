@@ -15,15 +15,8 @@
 // Work split: a CTA of WARPS warps (8, or 16 where the grid has too few CTAs to fill the GPU) owns 16 output rows (of
 // each of up to 3 matrices, CTAs in matrix order as in gemv_quant; SWIGLU: gate rows and up rows together, half of
 // the warps each); the warps split K in 16-word steps per row and reduce through shared memory.
-//
-// STAGED (sm_90+, not INT3): the CTA's weight words (its 16 rows, of both matrices with SWIGLU) are copied into shared
-// memory by TMA bulk copies issued at the kernel's start, before pdl_wait, so that every byte of them is requested at
-// once (an HBM round trip per CTA instead of one per step of each warp) and while the kernel before still runs. Rows
-// are padded by 16 bytes so that the lanes' 16-byte reads of rows g / g + 8 hit distinct banks. Scales and zeros are
-// loaded as before.
 #include "quant_layout.cuh"
 #include "rope_epilogue.cuh"
-#include "tma.cuh"
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
@@ -58,15 +51,13 @@ struct RowChunk {
 // Lanes past the end of K (words % 4 == 0: a lane's 4 words are all in or all out) get zero codes (finite; their
 // activations are zero) but the scale / zero of the step's first word: with POST_SCALE each lane scales sums over
 // the whole quad's columns, so it needs the row's scale even when its own words are missing.
-template <int BITS, bool STAGED>
+template <int BITS>
 __device__ __forceinline__ void load_row_chunk(const QuantMatrix& mat, int row, int words, int first_word,
                                                int step_word, int group_shift, int groups, int midpoint,
                                                RowChunk& rc) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
     const bool valid = first_word < words;
-    if constexpr (STAGED) {
-        // the words come from shared memory (staged_words), read just before their step
-    } else if (valid) {
+    if (valid) {
         const uint4 v = load_stream(
             reinterpret_cast<const uint4*>(mat.qweight + static_cast<long long>(row) * words + first_word));
         rc.w[0] = v.x; rc.w[1] = v.y; rc.w[2] = v.z; rc.w[3] = v.w;
@@ -165,14 +156,8 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
 // rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
 // kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
-// A staged row's 4 words at `first_word` (zeros past the end of K, as load_row_chunk gives them).
-__device__ __forceinline__ void staged_words(const unsigned* row, int words, int first_word, RowChunk& rc) {
-    const uint4 v = first_word < words ? *reinterpret_cast<const uint4*>(row + first_word) : make_uint4(0u, 0u, 0u, 0u);
-    rc.w[0] = v.x; rc.w[1] = v.y; rc.w[2] = v.z; rc.w[3] = v.w;
-}
-
-template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool STAGED, bool ROPE>
-__global__ void __launch_bounds__(32 * WARPS, STAGED && POST_SCALE && WARPS == 8 ? 3 : 0) gemm_quant_mma(
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
+__global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
@@ -184,7 +169,6 @@ __global__ void __launch_bounds__(32 * WARPS, STAGED && POST_SCALE && WARPS == 8
     int scale_is_bf16, int midpoint, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages,
     T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout) {
     static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
-    static_assert(!(STAGED && BITS == 3), "INT3's high-bit plane is not staged");
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
@@ -209,33 +193,6 @@ __global__ void __launch_bounds__(32 * WARPS, STAGED && POST_SCALE && WARPS == 8
         row_hi = layout == 0 ? row_lo + D / 2 : row_lo + 1;
     }
     const int words = K / cpw;
-    // STAGED: [MATS][16 rows][words + 4] words; row r < 8 holds the tile's row g = r of a lane, r >= 8 row g + 8.
-    extern __shared__ __align__(16) unsigned staged[];
-    __shared__ unsigned long long staged_bar;
-    const int staged_stride = words + 4;
-    if constexpr (STAGED) {
-        if (threadIdx.x == 0) {
-            mbar_init(&staged_bar, 1);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-        __syncthreads();
-        if (warp == 0) {
-            if (lane == 0) mbar_expect(&staged_bar, MATS * 16 * words * 4);
-            __syncwarp();
-            // Lane t == 0 of quad g copies rows g and g + 8 of each matrix (its own row_lo / row_hi).
-            if (t == 0) {
-#pragma unroll
-                for (int m = 0; m < MATS; ++m) {
-                    const unsigned* src = m == 1 ? qw1 : slot.mat.qweight;
-                    bulk_copy(staged + (m * 16 + g) * staged_stride, src + static_cast<long long>(row_lo) * words,
-                              words * 4, &staged_bar);
-                    bulk_copy(staged + (m * 16 + g + 8) * staged_stride, src + static_cast<long long>(row_hi) * words,
-                              words * 4, &staged_bar);
-                }
-            }
-        }
-    }
-    const unsigned* staged_lo = staged + (mi * 16 + g) * staged_stride;  // row g + 8: 8 rows further
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -245,20 +202,15 @@ __global__ void __launch_bounds__(32 * WARPS, STAGED && POST_SCALE && WARPS == 8
     RowChunk next_lo, next_hi;
     auto load_step = [&](int first) {
         const int first_word = first + 4 * t;
-        load_row_chunk<BITS, STAGED>(mat, row_lo, words, first_word, first, group_shift, groups, midpoint, next_lo);
-        load_row_chunk<BITS, STAGED>(mat, row_hi, words, first_word, first, group_shift, groups, midpoint, next_hi);
+        load_row_chunk<BITS>(mat, row_lo, words, first_word, first, group_shift, groups, midpoint, next_lo);
+        load_row_chunk<BITS>(mat, row_hi, words, first_word, first, group_shift, groups, midpoint, next_hi);
     };
     if (k_warp * 16 < words) load_step(k_warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
-    if constexpr (STAGED) mbar_wait(&staged_bar, 0);  // every thread: no CTA exits with copies still in flight
     for (int first = k_warp * 16; first < words; first += 16 * K_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
-        RowChunk lo = next_lo, hi = next_hi;
-        if constexpr (STAGED) {
-            staged_words(staged_lo, words, first_word, lo);
-            staged_words(staged_lo + 8 * staged_stride, words, first_word, hi);
-        }
+        const RowChunk lo = next_lo, hi = next_hi;
         if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
         uint4 xv[NT][XV];
 #pragma unroll

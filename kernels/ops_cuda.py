@@ -63,10 +63,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
         "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {st}, {rope}>" for b in MMA_BITS
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
-                              for st in (("false", "true") if b != 3 and (full or w == 8) else ("false",))
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
@@ -117,7 +116,6 @@ class _GemvPlan:
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
     # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
     mma_launches: dict[int, tuple[str, int, int]] | None
-    mma_shared: int  # dynamic shared memory of its launches (the staged weight rows)
 
 
 _GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
@@ -175,16 +173,6 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 
 
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
-# The tensor-core kernel's weight rows copied into shared memory by TMA at its start (gemm_quant_mma.cu, STAGED) on
-# sm_90+, up to this many bytes per CTA (3 CTAs of the SwiGLU launch per SM at K 2048 keep 99 KB). Off until it is
-# measured on a GPU (ablate_decode --mma-staged). A/B switch.
-MMA_STAGED = False
-MMA_STAGED_MAX_BYTES = 64 * 1024
-
-
-def mma_staged(device: torch.device) -> bool:
-    """Whether tensor-core launches on ``device`` stage their weight rows in shared memory (TMA bulk copies)."""
-    return MMA_STAGED and sm90_or_newer(device)
 
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
@@ -222,17 +210,9 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
-        mats = 2 if swiglu else 1
-        staged_bytes = mats * 16 * (words + 4) * 4  # gemm_quant_mma.cu: padded rows of the CTA's 16
-        staged = (fmt.bits != 3 and mma_staged(owner.qweight.device) and staged_bytes <= MMA_STAGED_MAX_BYTES
-                  and all(layer.qweight.data_ptr() % 16 == 0 for layer in layers))  # fmt: skip
-        mma_shared = staged_bytes if staged else 0
-        name = (f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, "
-                f"{'true' if staged else 'false'}, false>")  # fmt: skip
+        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
         mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
-    else:
-        mma_shared = 0
-    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches, mma_shared)
+    plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
 
@@ -274,13 +254,7 @@ def _gemv(
             if with_rope:
                 name = name.replace(", false>", ", true>")
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
-            function = kernel("gemm_quant_mma.cu", name)
-            # Past 48 KiB a CTA's shared memory (the staged rows and the static partial sums of its warps:
-            # gemm_quant_mma.cu) needs the function's opt-in.
-            static = 4 * (threads // 32) * (1 if chunk <= 8 else 2) * 4 * 32 + 16
-            if plan.mma_shared + static > _SMEM_LIMIT and function.max_dynamic_shared_size_bytes < plan.mma_shared:
-                function.max_dynamic_shared_size_bytes = plan.mma_shared
-            launch(function, (ctas,), (threads,), args, shared_mem=plan.mma_shared, dependent=True)
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)
@@ -654,7 +628,8 @@ _DECODE_CTAS = 528  # ~4 CTAs per SM of an H100 / H200 (132 SMs)
 # launches of at least PAGED_WIDE_MIN_CTAS (row, KV head) pairs whose capacity is at most PAGED_WIDE_MAX_TOKENS. No
 # split merge through global memory (partials, fence, counter, the last CTA's merge). H200, Ouro-1.4B shape, INT4,
 # L = 4, batch 16, 192 cached tokens, one graph replay: 4.371 ms with (256, 4) and 4.378 with (256, 8) against 4.594
-# for 3 split CTAs of 128 threads per (row, KV head); paged decode adds 9.6 us per layer application instead of 12.6.
+# for 3 split CTAs of 128 threads per (row, KV head); paged decode adds 9.6 us per layer application instead of 12.6;
+# tinyloop-bench batch 16: 3,650 tok/s against 3,436.
 # None: split CTAs everywhere. A/B switch for eval scripts (ablate_decode --paged-wide THREADS UNROLL).
 PAGED_WIDE: tuple[int, int] | None = (256, 4)
 PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it

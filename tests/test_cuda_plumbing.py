@@ -54,7 +54,6 @@ def launches(monkeypatch):
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: ops_cuda.DECODE_CLUSTER)  # as on sm_90+
     monkeypatch.setattr(ops_cuda, "multiprocessors", lambda device: 132)  # an H100 / H200
-    monkeypatch.setattr(ops_cuda, "mma_staged", lambda device: ops_cuda.MMA_STAGED)  # as on sm_90+
     # Graphs without programmatic launches (before sm_90, or turned off): junctions fused into GEMV prologues.
     monkeypatch.setattr(ops_cuda, "programmatic_launches", lambda device: False)
     monkeypatch.setattr(
@@ -119,28 +118,6 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
         assert len(args) == declared_parameters(file, kernel), name
         assert all(isinstance(arg, (np.uint64, np.int32, np.float32)) for arg in args), name
         assert shared_mem <= 48 * 1024 and all(isinstance(g, int) and g > 0 for g in grid), name
-
-
-@pytest.mark.parametrize("staged", [True, False])
-def test_tensor_core_launches_stage_their_weight_rows_in_shared_memory(launches, staged, monkeypatch):
-    """Several rows: the tensor-core kernel, whose CTAs copy their 16 weight rows (both matrices for SwiGLU) into
-    shared memory, padded by 4 words a row (ops_cuda.MMA_STAGED; INT3 keeps global loads)."""
-    monkeypatch.setattr(ops_cuda, "MMA_STAGED", staged)
-    for bits in (4, 3):
-        launches.clear()
-        model = _model("llama", bits)
-        cache = PagedTinyLoopCache(model.config, capacity=64)
-        with torch.no_grad():
-            model(torch.randint(1, 256, (2, 9)), past_key_values=cache, use_cache=True)
-            model(torch.randint(1, 256, (2, 1)), past_key_values=cache, use_cache=True)
-        mma = [(name, args, shared) for _, name, _, args, shared in launches if name.startswith("gemm_quant_mma")]
-        assert len(mma) % 4 == 0 and any(name.split(", ")[3] == "true" for name, *_ in mma)  # gate/up among them
-        for name, args, shared in mma:
-            fields = name.split(", ")  # bits, T, NT, SWIGLU, POST_SCALE, WARPS, STAGED, ROPE
-            swiglu, words = fields[3] == "true", int(args[2]) * bits // 32  # args[2]: K
-            expect = staged and bits != 3
-            assert fields[6] == ("true" if expect else "false"), name
-            assert shared == ((2 if swiglu else 1) * 16 * (words + 4) * 4 if expect else 0), name
 
 
 def _ouro_decode_step(launches: list) -> tuple:

@@ -119,39 +119,6 @@ def test_fused_qkv_and_swiglu(dtype, mma_warps, monkeypatch):
         assert _relative_error(swiglu, expected) <= 1e-2, rows
 
 
-@pytest.mark.parametrize("bits,group", [(2, 64), (4, 128), (4, 32), (8, None)])
-@pytest.mark.parametrize("mma_warps", MMA_WARPS)
-def test_staged_weight_rows_give_the_same_products(bits, group, mma_warps, monkeypatch):
-    """The tensor-core kernel's weight rows copied into shared memory by TMA (ops_cuda.MMA_STAGED) give bit-identical
-    outputs: the same words, read from another place. Row counts that are not multiples of 16 (clamped last rows),
-    fused QKV and SwiGLU, one and two n-tiles, rows past 16 (two launches)."""
-    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
-    fmt = QuantFormat(bits=bits, group_size=group)
-    dtype = torch.bfloat16
-    qkv = [_quant_layer(n, 576, fmt, seed=n, bias=True).to(dtype) for n in (100, 40, 40)]
-    gate_up = [_quant_layer(256, 576, fmt, seed=s).to(dtype) for s in (1, 2)]
-    down = _quant_layer(576, 256, fmt, seed=3).to(dtype)
-    long_rows = _quant_layer(96, 5632, fmt, seed=4).to(dtype)  # K of Ouro-1.4B's down_proj: past 48 KiB a CTA
-    outputs = {}
-    for staged in (False, True):
-        monkeypatch.setattr(ops_cuda, "MMA_STAGED", staged)
-        for layer in (*qkv, *gate_up, down, long_rows):
-            layer.__dict__.pop("_gemv_plans", None)  # plans keep the choice
-        results = []
-        for rows in (2, 9, 16, 20):
-            x = torch.randn(rows, 576, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(rows))
-            hidden = ops_cuda.project(x, gate_up, swiglu=True)
-            results += [ops_cuda.project(x, qkv), hidden, ops_cuda.project(hidden, [down])]
-            seed = torch.Generator("cuda").manual_seed(7)
-            long_x = torch.randn(rows, 5632, device="cuda", dtype=dtype, generator=seed)
-            results.append(ops_cuda.project(long_x, [long_rows]))
-        outputs[staged] = results
-        names = {plan.mma_launches[2][0] for layer in (qkv[0], gate_up[0], down)
-                 for plan in layer.__dict__["_gemv_plans"].values()}  # fmt: skip
-        assert all(name.split(", ")[6] == ("true" if staged else "false") for name in names), names
-    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True], strict=True))
-
-
 # Hidden sizes: one vector of 8 per thread (2048; 5280, Huginn's, with a partial warp; 8192 at 1024 threads), and
 # several per thread (20480), past the junction kernel's preloaded first vector.
 @pytest.mark.parametrize("hidden", [2048, 5280, 8192, 20480])
