@@ -100,8 +100,8 @@ __device__ __forceinline__ Raw8 quantize_staged(const T* staged, long long stage
     return raw;
 }
 
-// A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of 128 threads works on
-// 1024/D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
+// A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of THREADS threads works on
+// 8 * THREADS / D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
 // output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
 // flight together (raw: 10 registers each), with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2,
 // 4 or 8) bounds the query vectors per CTA (G * Q). THREADS (128 or 256) x UNROLL set how many tokens a CTA has in
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(THREADS) paged_decode(
     // V query vectors per CTA: the G heads of the KV group for each of the row's Q new tokens (v = j * G + g).
     const int G = Hq / Hkv, V = G * Q;
     // D is a template argument: the index arithmetic (threads per token, subs, element of a vector) is shifts and
-    // the subs' merge unrolls, which at batch 16 (64 tokens per CTA) is most of a CTA's instructions otherwise.
+    // the subs' merge unrolls, which at batch 16 (64-256 tokens per CTA) is most of a CTA's instructions otherwise.
     constexpr int per_token = D / 8, subs = THREADS / per_token, warps = THREADS / 32;
     const int kv_head = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
