@@ -647,7 +647,8 @@ def decode_shape(batch: int, kv_heads: int, vectors: int, dim: int, capacity: in
 
 
 def decode_partition(
-    batch: int, kv_heads: int, vectors: int, dim: int, capacity: int, max_cluster: int
+    batch: int, kv_heads: int, vectors: int, dim: int, capacity: int, max_cluster: int,
+    shape: tuple[int, int] | None = None,
 ) -> tuple[int, int, int]:
     """(splits, tokens_per_split, cluster) for paged decode. splits (a multiple of ``cluster``) is what the longest
     context uses: ~4 CTAs per SM; at run time a row's length activates only as many units of ``cluster`` splits as
@@ -656,7 +657,7 @@ def decode_partition(
     (16 KV heads, D 128, one call, KV in HBM): batch 1 at 200 tokens 6.4 us in clusters of 8 against 10.8 us in
     single CTAs; at 2,000 tokens 15.7 against 16.1; at 8,000 tokens (5 units of 8) 51.4 against 36.1 (33 single
     CTAs); batch 16 x 16 KV heads in clusters of 8 27.7 us against 18.1 for 3 single-CTA splits."""
-    threads, unroll = decode_shape(batch, kv_heads, vectors, dim, capacity)
+    threads, unroll = shape or decode_shape(batch, kv_heads, vectors, dim, capacity)  # shape: the caller's
     tokens_per_split = 2 * unroll * (threads // (dim // 8))
     if threads != _THREADS:  # wide CTAs: one per (row, KV head), a long context's tokens in more steps
         return 1, tokens_per_split, 1
@@ -700,8 +701,9 @@ def paged_decode(
             f"paged attention serves up to {MAX_CONTINUATION_VECTORS} query vectors (query heads per KV head x new "
             f"tokens) and head_dim in {PAGED_DIMS}, got {vectors} and {dim}"
         )
+    threads, unroll = decode_shape(batch, kv_heads, vectors, dim, storage.capacity)
     splits, tokens_per_split, cluster = decode_partition(
-        batch, kv_heads, vectors, dim, storage.capacity, decode_cluster(query.device)
+        batch, kv_heads, vectors, dim, storage.capacity, decode_cluster(query.device), (threads, unroll)
     )
     out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
     partial_o = partial_ml = None
@@ -718,7 +720,6 @@ def paged_decode(
             ptr(out), ptr(partial_o), ptr(partial_ml), ptr(storage.split_counters), i32(heads), i32(kv_heads),
             i32(new_tokens), i32(storage.blocks_per_row), i32(tokens_per_split),
             f32(scaling * math.log2(math.e)), i32(cluster > 1 and PAGED_CLUSTER_PROGRAMMATIC))  # fmt: skip
-    threads, unroll = decode_shape(batch, kv_heads, vectors, dim, storage.capacity)
     smem = 4 * _decode_shared_floats(vectors, dim, splits, threads)
     max_vectors = next(g for g in (1, 2, 4, 8) if g >= vectors)
     name = f"paged_decode<{type_name}, {int(int8)}, {max_vectors}, {cluster}, {dim}, {threads}, {unroll}>"
