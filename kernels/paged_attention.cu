@@ -100,12 +100,12 @@ __device__ __forceinline__ Raw8 quantize_staged(const T* staged, long long stage
     return raw;
 }
 
-// A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of THREADS threads works on
-// 8 * THREADS / D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector,
-// its 8 output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
-// flight together (raw: 10 registers each), with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2,
-// 4 or 8) bounds the query vectors per CTA (G * Q). THREADS (128 or 256) x UNROLL set how many tokens a CTA has in
-// flight per step of its token loop.
+// A token is served by D/8 consecutive threads (a "sub", 8 elements each), so a CTA of THREADS threads works on 8 *
+// THREADS / D tokens at once. Each sub keeps an online softmax state (running max m and sum l per query vector, its 8
+// output dims) over its tokens: the token loop has no barrier, and K and V loads of UNROLL tokens per thread are in
+// flight together (raw: 10 registers each), with the next tokens' page numbers loaded behind them. MAX_GROUP (1, 2, 4
+// or 8) bounds the query vectors per CTA (G * Q). THREADS (128 or 256) x UNROLL set how many tokens a CTA has in flight
+// per step of its token loop.
 template <typename T, int KV_INT8, int MAX_GROUP, int CLUSTER, int D, int THREADS, int UNROLL>
 __global__ void __launch_bounds__(THREADS) paged_decode(
     const T* __restrict__ q, void* k_pages, void* v_pages, float* k_scale, float* v_scale, const T* staged_k,
