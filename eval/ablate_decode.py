@@ -157,9 +157,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="candidate kernel changes, compiled in by source patches")
     parser.add_argument("--no-mma-wide", action="store_true", help="8-warp tensor-core CTAs everywhere")
-    parser.add_argument("--mma-x-tiles", type=int, nargs=2, metavar=("AT_8_WARPS", "AT_16_WARPS"),
-                        help="tile groups per tensor-core CTA sharing staged activations (ops_cuda.MMA_X_TILES; 0: "
-                             "every warp loads them)")
     parser.add_argument("--no-rope-epilogue", action="store_true", help="rope_kv_append instead of the QKV epilogue")
     parser.add_argument("--decode-ctas", type=int, help="paged-decode CTA target (ops_cuda._DECODE_CTAS)")
     parser.add_argument("--plain-paged", action="store_true", help="paged decode launched without programmatic launch")
@@ -189,8 +186,6 @@ def apply_switches(args: argparse.Namespace) -> None:
     attention_block.ATTENTION_BLOCK = args.attention_block
     attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
-    if args.mma_x_tiles:
-        ops_cuda.MMA_X_TILES = dict(zip(ops_cuda.MMA_WARPS, args.mma_x_tiles, strict=True))
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:

@@ -420,7 +420,10 @@ class FusedDecode:
             plan = self.plans[key] = self._plan(model, cache, loops, hidden.dtype)
         if isinstance(plan, str):
             return None
-        launch(kernel("fused_decode.cu", plan.name), (plan.grid,), (plan.threads,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
+        function = kernel("fused_decode.cu", plan.name)
+        if function.max_dynamic_shared_size_bytes != plan.smem:
+            function.max_dynamic_shared_size_bytes = plan.smem
+        launch(function, (plan.grid,), (plan.threads,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
                shared_mem=plan.smem, cooperative=COOPERATIVE)  # fmt: skip
         for slot in plan.slots:
             cache.mark_written(slot)

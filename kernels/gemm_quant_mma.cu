@@ -18,39 +18,6 @@
 #include "quant_layout.cuh"
 #include "rope_epilogue.cuh"
 
-__device__ __forceinline__ void copy16_async(void* smem, const void* global) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
-                 "l"(global)
-                 : "memory");
-}
-
-__device__ __forceinline__ void copies_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// The activations of every step for the B fragments, [step][n-tile][piece v][lane] uint4: lane (g, t) of a step's
-// warp reads piece v of token 8 nt + g at word first + 4t (zeros past M tokens and past K), as the global loads would.
-template <int BITS, int NT>
-__device__ __forceinline__ void stage_activations(const void* x, int M, int ldx, int K, int elem_bytes, uint4* xs) {
-    constexpr int cpw = Layout<BITS>::cols_per_word, XV = cpw / 2;
-    const int words = K / cpw, steps = (words + 15) / 16;
-    const char* base = static_cast<const char*>(x);
-    for (int d = threadIdx.x; d < steps * NT * XV * 32; d += blockDim.x) {
-        const int lane = d & 31, rest = d >> 5;
-        const int v = rest % XV, nt = (rest / XV) % NT, s = rest / (XV * NT);
-        const int token = 8 * nt + (lane >> 2), col = (s * 16 + 4 * (lane & 3)) * cpw + 8 * v;
-        if (token < M && col < K)
-            copy16_async(xs + d, base + (static_cast<long long>(token) * ldx + col) * elem_bytes);
-        else
-            xs[d] = make_uint4(0u, 0u, 0u, 0u);
-    }
-    copies_wait_all();
-    __syncthreads();
-}
-
-// bar.sync of one group's warps (TILES > 1: the groups of a CTA finish apart); id 0 is __syncthreads'.
-__device__ __forceinline__ void group_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     if constexpr (Magic<T>::bits == 0x4300u) {
@@ -189,8 +156,8 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
 // rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
 // kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
-template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, int TILES, bool ROPE>
-__global__ void __launch_bounds__(32 * WARPS * (TILES > 0 ? TILES : 1)) gemm_quant_mma(
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
+__global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
@@ -205,15 +172,10 @@ __global__ void __launch_bounds__(32 * WARPS * (TILES > 0 ? TILES : 1)) gemm_qua
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
-    constexpr int GROUPS = TILES > 0 ? TILES : 1;
     pdl_trigger();
-    const int group = threadIdx.x / (32 * WARPS);
-    const int warp = (threadIdx.x >> 5) % WARPS, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (N0 + 15) / 16 + (SWIGLU ? 0 : (N1 + 15) / 16 + (N2 + 15) / 16);
-    const int tile = blockIdx.x * GROUPS + group;
-    const bool active = tile < tiles;  // TILES > 1: the last CTA's groups past the last tile only help stage x
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const ProjectionSlot<T> slot =
-        select_projection<T>(active ? tile : 0, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
+        select_projection<T>(blockIdx.x, 16, SWIGLU, QuantMatrix{qw0, qh0, sc0, zr0}, bias0, N0,
                              QuantMatrix{qw1, qh1, sc1, zr1}, bias1, N1, QuantMatrix{qw2, qh2, sc2, zr2}, bias2, N2);
     // SWIGLU: the first half of the warps serves gate, the second up, each half splitting K (a warp holds one
     // matrix's loads and sums: the registers, and with them the CTAs per SM, of a plain launch).
@@ -243,34 +205,21 @@ __global__ void __launch_bounds__(32 * WARPS * (TILES > 0 ? TILES : 1)) gemm_qua
         load_row_chunk<BITS>(mat, row_lo, words, first_word, first, group_shift, groups, midpoint, next_lo);
         load_row_chunk<BITS>(mat, row_hi, words, first_word, first, group_shift, groups, midpoint, next_hi);
     };
-    if (active && k_warp * 16 < words) load_step(k_warp * 16);
+    if (k_warp * 16 < words) load_step(k_warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
-    extern __shared__ uint4 staged_x[];
-    if constexpr (TILES > 0) {
-        stage_activations<BITS, NT>(x, M, ldx, K, sizeof(T), staged_x);
-        if (!active) return;
-    }
     for (int first = k_warp * 16; first < words; first += 16 * K_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
         const RowChunk lo = next_lo, hi = next_hi;
         if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
         uint4 xv[NT][XV];
-        if constexpr (TILES > 0) {
-            const uint4* step_x = staged_x + (first / 16) * (NT * XV * 32) + lane;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt) {
+            const int token = 8 * nt + g;
+            const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(token) * ldx +
+                                                              first_word * cpw);
 #pragma unroll
-                for (int v = 0; v < XV; ++v) xv[nt][v] = step_x[(nt * XV + v) * 32];
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int token = 8 * nt + g;
-                const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(token) * ldx +
-                                                                  first_word * cpw);
-#pragma unroll
-                for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
-            }
+            for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
         }
         const RowFragments<BITS, T, POST_SCALE> flo(lo, first_word, group_shift, scale_is_bf16),
             fhi(hi, first_word, group_shift, scale_is_bf16);
@@ -297,14 +246,12 @@ __global__ void __launch_bounds__(32 * WARPS * (TILES > 0 ? TILES : 1)) gemm_qua
         }
     }
     // Sum the warps' partial products per matrix: [warp][n-tile][c][lane], conflict-free by lane.
-    __shared__ float partials[GROUPS][WARPS][NT][4][32];
-    float(&partial)[WARPS][NT][4][32] = partials[group];
+    __shared__ float partial[WARPS][NT][4][32];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) partial[warp][nt][c][lane] = acc[nt][c];
-    if constexpr (GROUPS > 1) group_barrier(1 + group, 32 * WARPS);
-    else __syncthreads();
+    __syncthreads();
     if (warp != 0) return;
     float sums[MATS][NT][4];
 #pragma unroll

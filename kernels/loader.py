@@ -93,10 +93,6 @@ class _TorchStream:
         self.ptr = ptr
 
 
-_DEFAULT_DYNAMIC_SHARED = 48 * 1024 - 16 * 1024  # dynamic shared memory no launch opts in for (static may add 16 KiB)
-_opted_in: dict[Any, int] = {}  # compiled function -> the dynamic shared bytes it is opted in to
-
-
 def launch(
     fn: Any,
     grid: tuple[int, ...],
@@ -115,9 +111,6 @@ def launch(
     ``cooperative``: every CTA is resident at once or the launch fails (kernels whose CTAs wait on one another);
     two such launches on two streams never share the GPU partly resident (always a ctypes launch)."""
     stream = torch.cuda.current_stream().cuda_stream
-    if shared_mem > _opted_in.get(fn, _DEFAULT_DYNAMIC_SHARED):
-        fn.max_dynamic_shared_size_bytes = shared_mem  # past 48 KiB a launch needs the function's opt-in
-        _opted_in[fn] = shared_mem
     attributes = []
     # The capture test first: eager launches (hundreds per eager step) then skip the device-capability lookup.
     if dependent and torch.cuda.is_current_stream_capturing() and programmatic_launches():

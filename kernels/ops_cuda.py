@@ -63,10 +63,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
         "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {x}, {rope}>" for b in MMA_BITS
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
-                              for x in sorted({0, MMA_X_TILES.get(w, 0)}) if full or x
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
@@ -115,9 +114,8 @@ class _GemvPlan:
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
-    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads, dynamic shared bytes); the name ends ", false>"
-    # (", true>": RoPE).
-    mma_launches: dict[int, tuple[str, int, int, int]] | None
+    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
+    mma_launches: dict[int, tuple[str, int, int]] | None
 
 
 _GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
@@ -175,29 +173,6 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 
 
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
-# Tile groups per CTA of the tensor-core GEMM, by warps per group, sharing the activations staged once in shared
-# memory (gemm_quant_mma.cu, TILES); 0: every warp loads its activations from global memory (L1).
-MMA_X_TILES = {8: 3, 16: 1}
-_SMEM_OPTIN = 227 * 1024  # sm_80+ largest shared memory a CTA may opt in to (sm_90: 227 KiB)
-
-
-def mma_tiles(warps: int, K: int, columns_per_word: int, device: torch.device) -> int:
-    """Tile groups of a tensor-core launch whose CTAs stage the activations (MMA_X_TILES), or 0 where its staged
-    activations and partial sums would not fit a CTA's shared memory (then every warp reads them from L1)."""
-    tiles = MMA_X_TILES.get(warps, 0)
-    if tiles and mma_shared_bytes(K, columns_per_word, 2) + _mma_static_bytes(tiles, warps, 2) > _SMEM_OPTIN:
-        return 0
-    return tiles
-
-
-def mma_shared_bytes(K: int, columns_per_word: int, n_tiles: int) -> int:
-    """Dynamic shared memory of a staging launch: every 16-word step's [n-tile][piece][lane] uint4s."""
-    steps = math.ceil(K // columns_per_word / 16)
-    return steps * n_tiles * (columns_per_word // 2) * 32 * 16
-
-
-def _mma_static_bytes(tiles: int, warps: int, n_tiles: int) -> int:
-    return 4 * max(tiles, 1) * warps * n_tiles * 4 * 32  # the warps' partial sums (gemm_quant_mma.cu)
 
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
@@ -235,10 +210,8 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
-        tiles = mma_tiles(warps, K, columns_per_word, owner.qweight.device)
-        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, {tiles}, false>"
-        mma_launches = {nt: (name.format(nt), math.ceil(ctas / max(tiles, 1)), 32 * warps * max(tiles, 1),
-                             mma_shared_bytes(K, columns_per_word, nt) if tiles else 0) for nt in (1, 2)}  # fmt: skip
+        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
+        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
@@ -277,11 +250,11 @@ def _gemv(
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
-            name, ctas, threads, shared = plan.mma_launches[1 if chunk <= 8 else 2]
+            name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
             if with_rope:
                 name = name.replace(", false>", ", true>")
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
-            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, shared_mem=shared, dependent=True)
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)

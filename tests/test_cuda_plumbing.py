@@ -25,7 +25,7 @@ KERNELS = Path(loader.__file__).parent
 
 def declared_parameters(file: str, kernel: str) -> int:
     source = (KERNELS / file).read_text()
-    start = re.search(rf"__global__ void(?: __launch_bounds__\((?:[^()]|\([^()]*\))+\))?\s+{kernel}\s*\(", source).end()
+    start = re.search(rf"__global__ void(?: __launch_bounds__\([^()]+\))?\s+{kernel}\s*\(", source).end()
     depth, commas = 1, 0
     for index, char in enumerate(source[start:]):
         depth += {"(": 1, ")": -1}.get(char, 0)

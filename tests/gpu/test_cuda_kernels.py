@@ -264,35 +264,3 @@ def test_junction_fused_into_gate_up_matches_reference(dtype, variant, mode, pro
         assert _relative_error(out, want_out) <= 3e-2, rows
         unfused_total, _ = ops_cuda.residual_norm(*junction.residual_norm_args())
         assert _relative_error(total, unfused_total) <= 1e-2, rows
-
-
-@pytest.mark.parametrize(
-    "bits, in_features, mma_warps", [(2, 256, 8), (3, 256, 8), (4, 256, 8), (8, 256, 8), (4, 5632, 8), (4, 5632, 16)]
-)
-def test_staged_activations_equal_global_loads(bits, in_features, mma_warps, monkeypatch):
-    """The tensor-core GEMM with its activations staged in shared memory (ops_cuda.MMA_X_TILES: 1 or 3 tile groups
-    per CTA, the last CTA's groups partly idle) computes exactly what it does with every warp loading them: one and
-    two n-tiles, clamped last rows, fused QKV and SwiGLU, K up to down_proj's 5632 (past 48 KiB of shared memory)."""
-    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
-    fmt = QuantFormat(bits=bits, group_size=64 if bits < 8 else 128)
-    qkv = [_quant_layer(n, in_features, fmt, seed=n, bias=True).to(torch.bfloat16) for n in (112, 48, 48)]
-    mlp = [_quant_layer(200, in_features, fmt, seed=s).to(torch.bfloat16) for s in (1, 2)]
-
-    def outputs(tiles: dict[int, int]) -> list[torch.Tensor]:
-        monkeypatch.setattr(ops_cuda, "MMA_X_TILES", tiles)
-        for layer in qkv + mlp:
-            layer.__dict__.pop("_gemv_plans", None)
-        assert ops_cuda._gemv_plan(qkv, False, torch.bfloat16).mma_launches[2][0].endswith(
-            f", {tiles[mma_warps]}, false>"
-        )
-        results = []
-        for rows in (2, 7, 9, 16, 20):
-            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16,
-                            generator=torch.Generator("cuda").manual_seed(rows))  # fmt: skip
-            results += [ops_cuda.project(x, qkv), ops_cuda.project(x, mlp, swiglu=True)]
-        return results
-
-    loaded = outputs({8: 0, 16: 0})
-    for tiles in ({8: 1, 16: 1}, {8: 3, 16: 1}):
-        for got, want in zip(outputs(tiles), loaded, strict=True):
-            assert torch.equal(got, want), tiles
