@@ -272,11 +272,18 @@ __global__ void __launch_bounds__(THREADS) paged_decode(
         }
     }
     __syncthreads();
-    // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml.
+    // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml; a CTA that is its row's only
+    // split writes its output at once, with its own sum (cta_ml[2g + 1] is written by another thread, with no barrier
+    // before this loop reads it: a race that wide CTAs of 256 threads at D = 64 made visible).
     for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         float top, sum;
-        q_s[idx] = merged_states<subs, D>(sub_o, sub_ml, V, g, d, top, sum);
+        const float o = merged_states<subs, D>(sub_o, sub_ml, V, g, d, top, sum);
+        if (active == 1) {  // (never with CLUSTER > 1: active is then a multiple of CLUSTER)
+            out[row_of(g) * D + d] = from_float<T>(o / sum);
+            continue;
+        }
+        q_s[idx] = o;
         if (d == 0) {
             cta_ml[2 * g] = top;
             cta_ml[2 * g + 1] = sum;
@@ -296,13 +303,7 @@ __global__ void __launch_bounds__(THREADS) paged_decode(
         cluster_barrier();  // a CTA's shared memory stays until every peer has read it
         return;
     }
-    if (active == 1) {
-        for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
-            const int g = idx / D;  // the thread that wrote q_s[idx] (and cta_ml for d == 0) reads it
-            out[row_of(g) * D + idx % D] = from_float<T>(q_s[idx] / cta_ml[2 * g + 1]);
-        }
-        return;
-    }
+    if (active == 1) return;
     for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         const long long row = row_of(g);
