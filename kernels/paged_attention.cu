@@ -272,9 +272,9 @@ __global__ void __launch_bounds__(THREADS) paged_decode(
         }
     }
     __syncthreads();
-    // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml; a CTA that is its row's only
-    // split writes its output at once, with its own sum (cta_ml[2g + 1] is written by another thread, with no barrier
-    // before this loop reads it: a race that wide CTAs of 256 threads at D = 64 made visible).
+    // The CTA's state: its subs merged, o into q_s (free now), (m, l) into cta_ml. A CTA that is its row's only split
+    // writes its output at once, divided by the sum this thread merged itself: cta_ml's is written by the thread of
+    // d = 0, and reading it here, with no barrier between, was a race (seen with 256-thread CTAs at D = 64).
     for (int idx = threadIdx.x; idx < V * D; idx += THREADS) {
         const int g = idx / D, d = idx % D;
         float top, sum;
