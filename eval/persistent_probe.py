@@ -4,7 +4,10 @@ the junction; 24 layers x 4 loops, a distinct buffer per layer so nothing stays 
 (graph-captured, programmatic like the GEMVs) or as one persistent launch with a grid barrier between phases
 (kernels/persistent_probe.cu). No model, no correctness: only where the time goes.
 
-    python -m tinyloop_hf.eval.persistent_probe --batch 1 16 --ctas-per-sm 2 4
+    python -m tinyloop_hf.eval.persistent_probe --batch 1 16 --ctas-per-sm 2 4 [--activations]
+
+--activations (twenty-eighth session): every CTA of a projection phase also reads all of its input activation after
+the wait, as the tensor-core GEMM's CTAs do at batch 16 (64 KiB of x at K 2048, 176 KiB for down_proj).
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from tinyloop_hf.kernels.loader import i32, kernel, launch, multiprocessors, ptr
 from .profile_decode import gpu_ms
 
 THREADS = 256  # persistent_probe.cu PROBE_THREADS
+PHASES_PER_LAYER = 7  # ouro_phases: qkv, attention, o, junction, gate_up, down, junction
 MB = 1 << 20
 
 
-def ouro_phases(batch: int, cached: int = 192) -> list[tuple[str, int, int]]:
-    """(name, bytes, CTAs of today's kernel) for each phase of one decode step, INT4 g128 weights (+ 3 bytes of scale
-    and zero per group), bf16 K/V."""
+def ouro_phases(batch: int, cached: int = 192) -> list[tuple[str, int, int, int]]:
+    """(name, bytes, CTAs of today's kernel, bytes of input activation each of its CTAs reads) for each phase of one
+    decode step, INT4 g128 weights (+ 3 bytes of scale and zero per group), bf16 K/V and activations. The projections'
+    CTAs read all of x (M rows x K); paged decode's and the junction's inputs are in their streamed bytes."""
     hidden, ffn, heads, dim, layers = 2048, 5632, 16, 128, 24 * 4
 
     def int4(rows: int, cols: int) -> int:
@@ -33,14 +38,15 @@ def ouro_phases(batch: int, cached: int = 192) -> list[tuple[str, int, int]]:
 
     kv = batch * heads * cached * dim * 2 * 2
     junction = (2 * batch + 2) * hidden * 2
+    x, h = batch * hidden * 2, batch * ffn * 2
     layer = [
-        ("qkv", int4(3 * hidden, hidden), 768 if batch == 1 else 384),
-        ("attention", kv, heads * 8 if batch == 1 else heads * batch * 3),
-        ("o", int4(hidden, hidden), 256 if batch == 1 else 128),
-        ("junction", junction, batch),
-        ("gate_up", int4(2 * ffn, hidden), 704 if batch == 1 else 352),
-        ("down", int4(hidden, ffn), 256 if batch == 1 else 128),
-        ("junction", junction, batch),
+        ("qkv", int4(3 * hidden, hidden), 768 if batch == 1 else 384, x),
+        ("attention", kv, heads * 8 if batch == 1 else heads * batch, 0),
+        ("o", int4(hidden, hidden), 256 if batch == 1 else 128, x),
+        ("junction", junction, batch, 0),
+        ("gate_up", int4(2 * ffn, hidden), 704 if batch == 1 else 352, x),
+        ("down", int4(hidden, ffn), 256 if batch == 1 else 128, h),
+        ("junction", junction, batch, 0),
     ]
     return layer * layers
 
@@ -53,15 +59,25 @@ class Step:
     addresses: list[int]
     vectors: list[int]  # 16-byte vectors per phase
     gigabytes: float
+    act_addresses: list[int]  # each phase's input activation (one buffer per phase: L2-resident, as x is)
+    act_vectors: list[int]  # 16-byte vectors every CTA of the phase reads (0 without --activations)
 
 
-def lay_out(phases: list[tuple[str, int, int]], device: torch.device) -> tuple[Step, torch.Tensor]:
-    sizes = [-(-size // 16) * 16 for _, size, _ in phases]
+def lay_out(phases: list[tuple[str, int, int, int]], device: torch.device, activations: bool) -> tuple[Step, tuple]:
+    sizes = [-(-size // 16) * 16 for _, size, _, _ in phases]
     buffer = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8, device=device)
     offsets = np.cumsum([0, *sizes[:-1]])
-    step = Step([c for *_, c in phases], [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in sizes],
-                sum(sizes) / 1e9)  # fmt: skip
-    return step, buffer
+    # Activations: the input of each phase kind of one layer, reused by every layer application (the caching
+    # allocator hands today's step the same few buffers), ~0.4 MB at batch 16.
+    kinds = PHASES_PER_LAYER
+    act_sizes = [-(-a // 16) * 16 for *_, a in phases[:kinds]]
+    acts = torch.randint(0, 255, (max(16, sum(act_sizes)),), dtype=torch.uint8, device=device)
+    act_offsets = np.cumsum([0, *act_sizes[:-1]])
+    act_addresses = [acts.data_ptr() + int(act_offsets[i % kinds]) for i in range(len(phases))]
+    act_vectors = [act_sizes[i % kinds] // 16 if activations else 0 for i in range(len(phases))]
+    step = Step([c for _, _, c, _ in phases], [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in sizes],
+                sum(sizes) / 1e9, act_addresses, act_vectors)  # fmt: skip
+    return step, (buffer, acts)
 
 
 def separate_ms(step: Step, empty: bool, dependent: bool) -> float:
@@ -74,8 +90,9 @@ def separate_ms(step: Step, empty: bool, dependent: bool) -> float:
         previous = out[-1:]
         for index, (ctas, address, count) in enumerate(zip(step.ctas, step.addresses, step.vectors, strict=True)):
             target = out[(index % 2) * stride :]
+            act = (np.uint64(step.act_addresses[index]), np.uint64(0 if empty else step.act_vectors[index]))
             launch(phase_kernel, (ctas,), (THREADS,),
-                   (np.uint64(address), np.uint64(0 if empty else count), ptr(previous), ptr(target)),
+                   (np.uint64(address), np.uint64(0 if empty else count), ptr(previous), ptr(target), *act),
                    dependent=dependent)  # fmt: skip
             previous = target
 
@@ -94,7 +111,9 @@ def persistent_ms(step: Step, grid: int, empty: bool) -> float:
     counts = torch.tensor([0 if empty else v for v in step.vectors], dtype=torch.int64, device="cuda")
     out = torch.zeros(len(step.vectors) * grid, dtype=torch.int32, device="cuda")
     arrived = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args = (ptr(table), ptr(counts), i32(len(step.vectors)), ptr(out), ptr(arrived))
+    acts = torch.tensor(step.act_addresses, dtype=torch.int64, device="cuda")
+    act_counts = torch.tensor([0 if empty else v for v in step.act_vectors], dtype=torch.int64, device="cuda")
+    args = (ptr(table), ptr(counts), i32(len(step.vectors)), ptr(out), ptr(arrived), ptr(acts), ptr(act_counts))
 
     def run() -> None:
         arrived.zero_()
@@ -109,11 +128,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--activations", action="store_true",
+                        help="every CTA of a projection phase also reads all of its input activation (M x K)")
     args = parser.parse_args()
     device = torch.device("cuda")
     sms = multiprocessors(device)
     for batch in args.batch:
-        step, buffer = lay_out(ouro_phases(batch), device)
+        step, buffer = lay_out(ouro_phases(batch), device, args.activations)
         rows = [
             ("kernels, programmatic", separate_ms(step, False, True), False),
             ("kernels, plain", separate_ms(step, False, False), False),

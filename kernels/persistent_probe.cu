@@ -54,23 +54,35 @@ __device__ __forceinline__ unsigned stream_rest(const uint4* data, unsigned long
     return total;
 }
 
+// After the wait every CTA also reads a phase's whole input activation (act, act_vectors; 0: none) through L1, as
+// every tensor-core GEMM CTA reads all of x at batch 16 (the twenty-eighth session's addition).
+__device__ __forceinline__ unsigned read_activation(const uint4* act, unsigned long long act_vectors) {
+    unsigned acc = 0u;
+    for (unsigned long long i = threadIdx.x; i < act_vectors; i += PROBE_THREADS) acc ^= mix(act[i]);
+    return acc;
+}
+
 __global__ void __launch_bounds__(PROBE_THREADS) probe_phase(const uint4* data, unsigned long long vectors,
-                                                             const unsigned* previous, unsigned* out) {
+                                                             const unsigned* previous, unsigned* out,
+                                                             const uint4* act, unsigned long long act_vectors) {
     pdl_trigger();
     unsigned long long begin, end;
     share(vectors, blockIdx.x, gridDim.x, begin, end);
     uint4 first[FIRST];
     first_loads(data, begin, end, first);
     pdl_wait();
-    const unsigned total = stream_rest(data, begin, end, first, __ldcg(previous));
+    const unsigned total =
+        stream_rest(data, begin, end, first, __ldcg(previous) ^ read_activation(act, act_vectors));
     if (threadIdx.x == 0) out[blockIdx.x] = total;
 }
 
-// Phase p reads vectors[p] vectors at data[p]; out [phases][gridDim.x]; arrived counts CTAs done with each phase
+// Phase p reads vectors[p] vectors at data[p] (and every CTA act_vectors[p] at act[p]); out [phases][gridDim.x]; arrived counts CTAs done with each phase
 // (zeroed before the launch). Every CTA must be resident at once (the host sizes the grid from the occupancy).
 __global__ void __launch_bounds__(PROBE_THREADS) probe_chain(const unsigned long long* data,
                                                              const unsigned long long* vectors, int phases,
-                                                             unsigned* out, unsigned* arrived) {
+                                                             unsigned* out, unsigned* arrived,
+                                                             const unsigned long long* act,
+                                                             const unsigned long long* act_vectors) {
     unsigned previous = 0;
     for (int p = 0; p < phases; ++p) {
         const uint4* phase_data = reinterpret_cast<const uint4*>(data[p]);
@@ -89,6 +101,7 @@ __global__ void __launch_bounds__(PROBE_THREADS) probe_chain(const unsigned long
             __syncthreads();
             previous = __ldcg(out + static_cast<long long>(p - 1) * gridDim.x);
         }
+        previous ^= read_activation(reinterpret_cast<const uint4*>(act[p]), act_vectors[p]);
         const unsigned total = stream_rest(phase_data, begin, end, first, previous);
         if (threadIdx.x == 0) {
             out[static_cast<long long>(p) * gridDim.x + blockIdx.x] = total;
