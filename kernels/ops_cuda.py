@@ -635,7 +635,7 @@ PAGED_WIDE: tuple[int, int] | None = (256, 4)
 PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it
 PAGED_WIDE_MIN_CTAS = 132
 # H200, batch 16 at 300 cached tokens: 5.166 ms per replay with one CTA against 5.451 with split CTAs (twenty-eighth
-# session; not measured between 512 and 2,048 tokens, where longer rows keep the split CTAs).
+# session). Longer rows keep the split CTAs (one CTA was not measured between 512 and 2,048 tokens).
 PAGED_WIDE_MAX_TOKENS = 512
 
 
