@@ -6,7 +6,7 @@ the junction; 24 layers x 4 loops, a distinct buffer per layer so nothing stays 
 
     python -m tinyloop_hf.eval.persistent_probe --batch 1 16 --ctas-per-sm 2 4 [--activations]
 
---activations (twenty-eighth session): every CTA of a projection phase also reads all of its input activation after
+--activations: every CTA of a projection phase also reads all of its input activation after
 the wait, as the tensor-core GEMM's CTAs do at batch 16 (64 KiB of x at K 2048, 176 KiB for down_proj).
 """
 
@@ -59,24 +59,26 @@ class Step:
     addresses: list[int]
     vectors: list[int]  # 16-byte vectors per phase
     gigabytes: float
-    act_addresses: list[int]  # each phase's input activation (one buffer per phase: L2-resident, as x is)
+    act_addresses: list[int]  # each phase's input activation (one buffer per phase of a layer: L2-resident, as x is)
     act_vectors: list[int]  # 16-byte vectors every CTA of the phase reads (0 without --activations)
 
 
+def _packed(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, list[int], list[int]]:
+    """One random buffer holding regions of ``sizes`` bytes (rounded up to 16): (buffer, addresses, 16-byte vectors)."""
+    rounded = [-(-size // 16) * 16 for size in sizes]
+    buffer = torch.randint(0, 255, (max(16, sum(rounded)),), dtype=torch.uint8, device=device)
+    offsets = np.cumsum([0, *rounded[:-1]])
+    return buffer, [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in rounded]
+
+
 def lay_out(phases: list[tuple[str, int, int, int]], device: torch.device, activations: bool) -> tuple[Step, tuple]:
-    sizes = [-(-size // 16) * 16 for _, size, _, _ in phases]
-    buffer = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8, device=device)
-    offsets = np.cumsum([0, *sizes[:-1]])
-    # Activations: the input of each phase kind of one layer, reused by every layer application (the caching
-    # allocator hands today's step the same few buffers), ~0.4 MB at batch 16.
-    kinds = PHASES_PER_LAYER
-    act_sizes = [-(-a // 16) * 16 for *_, a in phases[:kinds]]
-    acts = torch.randint(0, 255, (max(16, sum(act_sizes)),), dtype=torch.uint8, device=device)
-    act_offsets = np.cumsum([0, *act_sizes[:-1]])
-    act_addresses = [acts.data_ptr() + int(act_offsets[i % kinds]) for i in range(len(phases))]
-    act_vectors = [act_sizes[i % kinds] // 16 if activations else 0 for i in range(len(phases))]
-    step = Step([c for _, _, c, _ in phases], [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in sizes],
-                sum(sizes) / 1e9, act_addresses, act_vectors)  # fmt: skip
+    buffer, addresses, vectors = _packed([size for _, size, _, _ in phases], device)
+    # Activations: the inputs of one layer's phases, reused by every layer application (the caching allocator hands
+    # today's step the same few buffers), ~0.4 MB at batch 16.
+    acts, act_addresses, act_vectors = _packed([a for *_, a in phases[:PHASES_PER_LAYER]], device)
+    step = Step([c for _, _, c, _ in phases], addresses, vectors, sum(vectors) * 16 / 1e9,
+                [act_addresses[i % PHASES_PER_LAYER] for i in range(len(phases))],
+                [act_vectors[i % PHASES_PER_LAYER] if activations else 0 for i in range(len(phases))])  # fmt: skip
     return step, (buffer, acts)
 
 

@@ -55,7 +55,7 @@ __device__ __forceinline__ unsigned stream_rest(const uint4* data, unsigned long
 }
 
 // After the wait every CTA also reads a phase's whole input activation (act, act_vectors; 0: none) through L1, as
-// every tensor-core GEMM CTA reads all of x at batch 16 (the twenty-eighth session's addition).
+// every tensor-core GEMM CTA reads all of x at batch 16.
 __device__ __forceinline__ unsigned read_activation(const uint4* act, unsigned long long act_vectors) {
     unsigned acc = 0u;
     for (unsigned long long i = threadIdx.x; i < act_vectors; i += PROBE_THREADS) acc ^= mix(act[i]);
@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(PROBE_THREADS) probe_phase(const uint4* data, 
     if (threadIdx.x == 0) out[blockIdx.x] = total;
 }
 
-// Phase p reads vectors[p] vectors at data[p] (and every CTA act_vectors[p] at act[p]); out [phases][gridDim.x]; arrived counts CTAs done with each phase
-// (zeroed before the launch). Every CTA must be resident at once (the host sizes the grid from the occupancy).
+// Phase p reads vectors[p] vectors at data[p] (and every CTA act_vectors[p] at act[p]); out [phases][gridDim.x];
+// arrived counts CTAs done with each phase (zeroed before the launch). Every CTA must be resident at once (the host sizes the grid from the occupancy).
 __global__ void __launch_bounds__(PROBE_THREADS) probe_chain(const unsigned long long* data,
                                                              const unsigned long long* vectors, int phases,
                                                              unsigned* out, unsigned* arrived,
