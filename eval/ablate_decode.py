@@ -115,6 +115,15 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # Its O projection in row pairs instead of quads: a CTA's 4 O quads kept 4 of its 11 consumer warps busy, each over
     # all 64 chunks; as 8 pairs, 8 warps with half the rows each. Each row's sum is computed exactly as before (split by
     # rows, not K), so the outputs are identical; each pair stores one 8-byte half of its quad's LL word.
+    # Its attention splits' first K / V loads issued after the q / K / V poll instead of before it (with the K / V
+    # prefetch into L2 they are L2 hits): whether loads in flight delay that poll's own.
+    "fused-kv-after-poll": [
+        ("fused_decode.cu", "            load_step(0);\n            const unsigned seq = seq_of(epoch, apps, a, PH_QKV);\n",
+         "            const unsigned seq = seq_of(epoch, apps, a, PH_QKV);  // --variant fused-kv-after-poll\n"),
+        ("fused_decode.cu", "            }\n            consumers_sync<CONSUMERS>();\n            float m[MAXG], l[MAXG], o[MAXG][8];\n",
+         "            }\n            load_step(0);\n            consumers_sync<CONSUMERS>();\n"
+         "            float m[MAXG], l[MAXG], o[MAXG][8];\n"),
+    ],
     "fused-o-pairs": [
         ("fused_decode.cu", "for (int q = cwarp; q < W.o_quads; q += CWARPS) {\n"
          "                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};\n"
@@ -172,6 +181,10 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the step as one kernel where it serves it (kernels/fused_decode.cu; the default)")
     parser.add_argument("--fused-threads", type=int, choices=(384, 512),
                         help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
+    parser.add_argument("--no-kv-prefetch", action="store_true",
+                        help="the fused kernel without its K / V prefetch into L2 (fused_decode.KV_PREFETCH)")
+    parser.add_argument("--fused-chunk", type=int, help="the fused kernel's TMA batch bytes (fused_decode.CHUNK_BYTES)")
+    parser.add_argument("--fused-inflight", type=int, help="its batches in flight per CTA (fused_decode.INFLIGHT)")
     parser.add_argument("--plain-fused-launch", action="store_true",
                         help="the fused kernel launched without the cooperative attribute (its default)")
     parser.add_argument("--attention-block", action="store_true",
@@ -199,6 +212,12 @@ def apply_switches(args: argparse.Namespace) -> None:
         ops_cuda.PAGED_WIDE_MAX_TOKENS = args.paged_wide_max_tokens
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
+    if args.no_kv_prefetch:
+        fused_decode.KV_PREFETCH = False
+    if args.fused_chunk:
+        fused_decode.CHUNK_BYTES = args.fused_chunk
+    if args.fused_inflight:
+        fused_decode.INFLIGHT = args.fused_inflight
     fused_decode.COOPERATIVE = not args.plain_fused_launch
     patch_sources(args.without + args.variant)
 
@@ -209,6 +228,9 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
     label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
     label += ", plain launch" if model._cuda_path.fused.steps and args.plain_fused_launch else ""
+    label += ", no K/V prefetch" if model._cuda_path.fused.steps and args.no_kv_prefetch else ""
+    label += f", TMA batches of {args.fused_chunk} bytes" if args.fused_chunk else ""
+    label += f", {args.fused_inflight} batches in flight" if args.fused_inflight else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""

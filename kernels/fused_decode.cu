@@ -109,7 +109,7 @@ struct Params {
     Slot slot[4];
     unsigned xres, stage, partials;  // dynamic shared memory offsets
     unsigned smem_bytes;
-    int pad;
+    int kv_prefetch;  // a spare producer-warp lane prefetches each attention split's cached K / V into L2
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -308,6 +308,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     // The step's row length, first attended token, position and its page: read when needed, not kept in registers.
     __shared__ int step_s[4];
     __shared__ unsigned epoch_s;  // this launch's epoch, as read at its start (the last CTA 0 thread increments it)
+    __shared__ int app_s;         // the application the consumers are in (paces the K / V prefetch)
 
     const int cta = blockIdx.x;
     // Params and this CTA's Work into shared memory.
@@ -334,11 +335,35 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         step_s[2] = position;
         step_s[3] = __ldcg(P.block_table + position / 16);
         epoch_s = __ldcg(P.epoch);
+        app_s = 0;
     }
     __syncthreads();  // the last block-wide barrier: from here on the producer warp and the consumers run apart
     const int& apps = P.apps;
 
     if (threadIdx.x < 32) {
+        if (threadIdx.x == 1 && P.kv_prefetch && cta < P.Hkv * P.S) {
+            // ---- K / V prefetch: this CTA's attention split's cached tokens, each application's pages into L2 once
+            // the consumers have reached the application before, so that the split's loads (issued before its q / K /
+            // V poll) hit L2 instead of queueing in front of that poll's loads. The new token is left out (this
+            // step's QKV phase writes it).
+            const int h = cta / P.S, split = cta % P.S, length = step_s[0];
+            const int span = (length + P.S - 1) / P.S, first = max(split * span, step_s[1]);
+            const int end = min(length - 1, split * span + span);
+            const unsigned page_bytes = 16 * P.D * sizeof(T);
+            for (int a = 0; a < apps && first < end; ++a) {
+                while (*reinterpret_cast<volatile int*>(&app_s) < a - 1) __nanosleep(256);
+                const App* app = P.apps_table + a;
+                const char* k_pages = static_cast<const char*>(ldg_ptr(&app->k_pages));
+                const char* v_pages = static_cast<const char*>(ldg_ptr(&app->v_pages));
+                for (int page = first / 16; page * 16 < end; ++page) {
+                    const long long offset =
+                        (static_cast<long long>(__ldg(P.block_table + page)) * P.Hkv + h) * page_bytes;
+                    bulk_prefetch_l2(k_pages + offset, page_bytes);
+                    bulk_prefetch_l2(v_pages + offset, page_bytes);
+                }
+            }
+            return;
+        }
         // ---- producer: stream every application's weight share, slot by slot, throttled ----
         if (threadIdx.x != 0) return;
         unsigned long long policy;
@@ -486,6 +511,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     for (int a = 0; a < apps; ++a) {
         const App* app = P.apps_table + a;
         mark(a, 0);
+        if (ct == 0) *reinterpret_cast<volatile int*>(&app_s) = a;
         // ================= P1: junction, QKV projection, RoPE, K/V append =================
         {
             float v[8];

@@ -27,6 +27,9 @@ INFLIGHT = 2  # batches in flight per CTA (H200 probe: deep weight queues slow e
 # longer on fewer CTAs but shorten the merge; they did not pay (eval/fused_profile.py --replay --splits, H200: 3.61 ms
 # at 2 splits, 3.49 at 4, 3.42-3.55 at 8).
 SPLITS: int | None = None
+# A spare lane of the producer warp prefetches each attention split's cached K / V pages into L2, one layer application
+# ahead, so that the split's first loads (issued before its q / K / V poll) do not queue from HBM ahead of that poll.
+KV_PREFETCH = True
 # SMs left free of the kernel's CTAs. A CTA fills its SM's register file (384 x 168 or 512 x 128 registers), so on a
 # full grid nothing else runs until the step ends: generate()'s own kernels for the previous token (argmax, stopping
 # check) then wait behind a step run ahead (cuda_path run-ahead), and so does the host. H200, greedy generate() of
@@ -102,7 +105,7 @@ class ParamsStruct(ctypes.Structure):
                                            "part_ll", "attn_ll", "o_ll", "h_ll", "down_ll", "apps_table", "work",
                                            "pieces", "unit_rows", "trace")]  # fmt: skip
     _fields_ += [("slot", SlotStruct * 4), ("xres", _u32), ("stage", _u32), ("partials", _u32),
-                 ("smem_bytes", _u32), ("pad", _i32)]  # fmt: skip
+                 ("smem_bytes", _u32), ("kv_prefetch", _i32)]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -567,6 +570,7 @@ class FusedDecode:
             target.group_shift = group_shift(fmt)
         params.xres, params.stage, params.partials, params.smem_bytes = (plan.xres, plan.stage, plan.partials,
                                                                          plan.smem_bytes)  # fmt: skip
+        params.kv_prefetch = int(KV_PREFETCH)
         return Plan(device_bytes(params), keep, hidden_out, gates_out, name, grid, plan.threads, plan.smem_bytes, slots)
 
 

@@ -54,3 +54,8 @@ __device__ __forceinline__ void bulk_copy_hint(void* dst, const void* src, unsig
         ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
         : "memory");
 }
+// Prefetch `bytes` (a multiple of 16, 16-byte aligned) of global memory into L2, with no shared-memory destination and
+// nothing to wait for.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
