@@ -115,15 +115,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # Its O projection in row pairs instead of quads: a CTA's 4 O quads kept 4 of its 11 consumer warps busy, each over
     # all 64 chunks; as 8 pairs, 8 warps with half the rows each. Each row's sum is computed exactly as before (split by
     # rows, not K), so the outputs are identical; each pair stores one 8-byte half of its quad's LL word.
-    # Its attention splits' first K / V loads issued after the q / K / V poll instead of before it (with the K / V
-    # prefetch into L2 they are L2 hits): whether loads in flight delay that poll's own.
-    "fused-kv-after-poll": [
-        ("fused_decode.cu", "            load_step(0);\n            const unsigned seq = seq_of(epoch, apps, a, PH_QKV);\n",
-         "            const unsigned seq = seq_of(epoch, apps, a, PH_QKV);  // --variant fused-kv-after-poll\n"),
-        ("fused_decode.cu", "            }\n            consumers_sync<CONSUMERS>();\n            float m[MAXG], l[MAXG], o[MAXG][8];\n",
-         "            }\n            load_step(0);\n            consumers_sync<CONSUMERS>();\n"
-         "            float m[MAXG], l[MAXG], o[MAXG][8];\n"),
-    ],
     "fused-o-pairs": [
         ("fused_decode.cu", "for (int q = cwarp; q < W.o_quads; q += CWARPS) {\n"
          "                const int lrow[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3};\n"
