@@ -172,6 +172,7 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the step as one kernel where it serves it (kernels/fused_decode.cu; the default)")
     parser.add_argument("--fused-threads", type=int, choices=(384, 512),
                         help="the fused kernel's CTA size, not its choice (384: 168 registers, no spills; 512: 128)")
+    parser.add_argument("--fused-splits", type=int, help="attention splits per KV head (fused_decode.SPLITS)")
     parser.add_argument("--no-kv-prefetch", action="store_true",
                         help="the fused kernel without its K / V prefetch into L2 (fused_decode.KV_PREFETCH)")
     parser.add_argument("--fused-chunk", type=int, help="the fused kernel's TMA batch bytes (fused_decode.CHUNK_BYTES)")
@@ -203,6 +204,8 @@ def apply_switches(args: argparse.Namespace) -> None:
         ops_cuda.PAGED_WIDE_MAX_TOKENS = args.paged_wide_max_tokens
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
+    if args.fused_splits:
+        fused_decode.SPLITS = args.fused_splits
     if args.no_kv_prefetch:
         fused_decode.KV_PREFETCH = False
     if args.fused_chunk:
@@ -219,6 +222,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
     label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
     label += ", plain launch" if model._cuda_path.fused.steps and args.plain_fused_launch else ""
+    label += f", {args.fused_splits} attention splits" if args.fused_splits else ""
     label += ", no K/V prefetch" if model._cuda_path.fused.steps and args.no_kv_prefetch else ""
     label += f", TMA batches of {args.fused_chunk} bytes" if args.fused_chunk else ""
     label += f", {args.fused_inflight} batches in flight" if args.fused_inflight else ""

@@ -137,6 +137,19 @@ def test_fused_decode_over_many_cached_tokens(per_op):
     assert (step.gate_logits.float() - want.gate_logits.float()).abs().max() <= 5e-2
 
 
+def test_the_kv_prefetch_changes_no_output(monkeypatch):
+    """The attention splits' K/V prefetch into L2 (a spare lane of the producer warp) only moves data into the cache:
+    every step's logits are bit for bit those of the kernel without it, over a prompt whose splits span several pages."""
+    ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(5)).cuda()
+    got = {}
+    for prefetch in (True, False):
+        monkeypatch.setattr(fused_decode, "KV_PREFETCH", prefetch)
+        model = _model("ouro").use_cuda_path(cuda_graphs=False)
+        got[prefetch] = decode_logits(model, ids, 90, model.new_cache())
+        assert model._cuda_path.fused.steps == 10
+    assert torch.equal(got[True], got[False])
+
+
 def test_steps_the_kernel_does_not_serve_run_op_by_op():
     """Batch 2 and INT8 K/V are not served: those steps run on the per-op kernels, with the same tokens as ever."""
     model = _model("ouro").use_cuda_path()
