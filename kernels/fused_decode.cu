@@ -180,6 +180,16 @@ __device__ __forceinline__ P* ldg_ptr(P* const* p) {
     return reinterpret_cast<P*>(__ldg(reinterpret_cast<const unsigned long long*>(p)));
 }
 
+// What an attention split attends to: CTA `cta` (< Hkv * S) serves KV head cta / S, split cta % S, whose tokens of a
+// `length`-token row are [t0, t0 + n) (P2, and the K / V prefetch ahead of it).
+struct SplitSpan {
+    int head, t0, n;
+};
+__device__ __forceinline__ SplitSpan split_span(int cta, int S, int length) {
+    const int span = (length + S - 1) / S, t0 = (cta % S) * span;
+    return {cta / S, t0, max(0, min(length, t0 + span) - t0)};
+}
+
 // The sequence number of phase `phase` (0..5) of application `app` in the launch of epoch `epoch`: unique across
 // launches (the epoch counts them), never 0 (the buffers start zeroed).
 __device__ __forceinline__ unsigned seq_of(unsigned epoch, int apps, int app, int phase) {
@@ -346,9 +356,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
             // the consumers have reached the application before, so that the split's loads (issued before its q / K /
             // V poll) hit L2 instead of queueing in front of that poll's loads. The new token is left out (this
             // step's QKV phase writes it).
-            const int h = cta / P.S, split = cta % P.S, length = step_s[0];
-            const int span = (length + P.S - 1) / P.S, first = max(split * span, step_s[1]);
-            const int end = min(length - 1, split * span + span);
+            const SplitSpan mine = split_span(cta, P.S, step_s[0]);
+            const int h = mine.head, first = max(mine.t0, step_s[1]), end = min(step_s[0] - 1, mine.t0 + mine.n);
             const unsigned page_bytes = 16 * P.D * sizeof(T);
             for (int a = 0; a < apps && first < end; ++a) {
                 while (*reinterpret_cast<volatile int*>(&app_s) < a - 1) __nanosleep(256);
@@ -603,10 +612,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         // ================= P2: attention (one KV head and split per CTA), the split merge =================
         if (cta < Hkv * S) {
             constexpr int per_token = D / 8, subs = CONSUMERS / per_token;
-            const int h = cta / S, split = cta % S;
-            const int length = step_s[0], start = step_s[1];
-            const int span = (length + S - 1) / S, t0 = split * span;
-            const int n = max(0, min(length, t0 + span) - t0);
+            const int length = step_s[0], start = step_s[1], split = cta % S;
+            const SplitSpan mine = split_span(cta, S, length);
+            const int h = mine.head, t0 = mine.t0, n = mine.n;
             const int sub = ct / per_token, offset = (ct % per_token) * 8;
             const bool in_sub = sub < subs;
             float* q_s = reinterpret_cast<float*>(stage());  // [Gq][D], pre-scaled
