@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from helpers import tiny_model
 from tinyloop_hf import get_op, register_op
-from tinyloop_hf.ops_tinyloop import REFERENCE, backends_of, rope_angles
+from tinyloop_hf.ops_tinyloop import REFERENCE, backends_of, rope_angles, rope_inv_freq
 
 IDS = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(2))
 
@@ -21,6 +21,18 @@ def test_rotate_half_rope_matches_transformers():
     expected_q, expected_k = apply_rotary_pos_emb(query, key, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
     assert torch.allclose(rope(query, cos, sin, "rotate_half"), expected_q, atol=1e-6)
     assert torch.allclose(rope(key, cos, sin, "rotate_half"), expected_k, atol=1e-6)
+
+
+def test_rope_frequencies_are_made_once_and_the_angles_are_unchanged():
+    """The inverse frequencies are kept per (device, head_dim, theta), so a CUDA-graph step does not remake them;
+    the angles are bit for bit those of the formula."""
+    first = rope_inv_freq(16, 12345.0, torch.device("cpu"))
+    assert rope_inv_freq(16, 12345.0, torch.device("cpu")) is first
+    assert rope_inv_freq(32, 12345.0, torch.device("cpu")) is not first
+    positions = torch.arange(7, 40)[None]
+    cos, sin = rope_angles(positions, 16, 12345.0)
+    angles = positions.float()[..., None] * (1.0 / (12345.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)))
+    assert torch.equal(cos, angles.cos()) and torch.equal(sin, angles.sin())
 
 
 def test_interleaved_rope_is_complex_multiplication():

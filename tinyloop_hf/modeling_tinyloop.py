@@ -430,7 +430,9 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             fused = self._fused_decode(hidden, context, total_loops)
         if fused is not None:  # the whole step in one kernel (CUDA path, batch-1 decode)
             last_hidden, gates = fused
-            states, gates = [], gates or []
+            # A captured step's replays return its logits alone (cuda_path.run), and no exit rule is in play here:
+            # the exit distribution's ~18 small kernels per step would be replayed for nothing.
+            states, gates = [], ([] if graph_capturing() else gates or [])
             probabilities = exit_distribution(gates, None) if gates else None
         else:
             hidden = self._run_layers(

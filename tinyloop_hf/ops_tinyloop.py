@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .compat import graph_capturing
 from .mkl_warmup import warm_up
 
 warm_up()  # before the reference path's first multi-threaded unary op (see mkl_warmup)
@@ -89,10 +90,27 @@ class Junction:
         return self.x, self.branch, self.branch_weight, self.next_weight, self.eps, self.mode
 
 
+# RoPE inverse frequencies per (device, head_dim, theta). They are the same for every step, and each step of a CUDA
+# graph would otherwise replay the four small kernels that make them (an arange, a division, a power, a reciprocal).
+_INV_FREQ: dict[tuple[torch.device, int, float], torch.Tensor] = {}
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """theta^(-2i / head_dim) for i < head_dim / 2 in fp32, computed on ``device`` once (outside a CUDA-graph capture,
+    which executes nothing: a tensor made there would hold no values when used eagerly later)."""
+    key = (torch.device(device), head_dim, float(theta))
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        inv_freq = 1.0 / (theta**exponents)
+        if not graph_capturing():
+            _INV_FREQ[key] = inv_freq
+    return inv_freq
+
+
 def rope_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [B, S, head_dim // 2] in fp32 for integer positions [B, S]."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # [B, S, D/2]
     return angles.cos(), angles.sin()
 

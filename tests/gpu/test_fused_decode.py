@@ -137,6 +137,31 @@ def test_fused_decode_over_many_cached_tokens(per_op):
     assert (step.gate_logits.float() - want.gate_logits.float()).abs().max() <= 5e-2
 
 
+def test_a_decode_replay_runs_only_the_step_s_own_kernels():
+    """A replayed step returns its logits alone, so its graph holds neither the exit distribution's small kernels
+    (sigmoid and products per loop) nor the RoPE frequencies' (a power and a reciprocal, the same every step): one
+    replay's kernels under torch.profiler (the eager step before it, which returns the gates, has them)."""
+    model = _model("ouro").use_cuda_path()
+    ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(6)).cuda()
+    cache = model.new_cache()
+
+    def kernels(step):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        eager = kernels(lambda: model(ids[:, -1:], past_key_values=cache, use_cache=True))  # warm-up: no graph yet
+        model(ids[:, -1:], past_key_values=cache, use_cache=True)  # captured, then replayed
+        replay = kernels(lambda: model(ids[:, -1:], past_key_values=cache, use_cache=True))
+    assert any("fused_decode" in name for name in eager) and any("fused_decode" in name for name in replay)
+    assert any("sigmoid" in name for name in eager)
+    assert not [name for name in replay if "sigmoid" in name or "pow" in name], replay
+    assert model._cuda_path.graphs
+
+
 def test_the_kv_prefetch_changes_no_output(monkeypatch):
     """The attention splits' K/V prefetch into L2 (a spare lane of the producer warp) only moves data into the cache:
     every step's logits are bit for bit those of the kernel without it, over a prompt whose splits span several pages."""
