@@ -75,7 +75,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                                for d in (PAGED_DIMS if full else (128,))
                                for n, u in ((_THREADS, _DECODE_UNROLL), *(() if c > 1 else PAGED_WIDE_SHAPES))
                                if full or n == _THREADS or (t, i, g) == ("__nv_bfloat16", 0, 1)],
-        "sampling.cu": [f"sample_tokens<{t}>" for t in types],
+        "sampling.cu": [f"{name}<{t}>" for name in ("sample_tokens", "advance_greedy") for t in types],
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
                                for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
                                for s in (0, 1) if full or (d, g, w, s) == (128, 1, 12, 0)],
@@ -746,3 +746,29 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, seed: torch.Te
     args = (ptr(logits), ptr(tokens), i32(logits.shape[-1]), ptr(seed), f32(temperature))
     launch(kernel("sampling.cu", f"sample_tokens<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (512,), args)
     return tokens
+
+
+def advance_greedy(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    finished: tuple[torch.Tensor, torch.Tensor] | None,
+    lengths: torch.Tensor,
+    step_positions: torch.Tensor,
+    length: int,
+) -> None:
+    """The next greedy decode step's inputs in one launch (kernels/sampling.cu advance_greedy): per row of logits [B, V]
+    the argmax, or the pad of ``finished`` (pad [1], ends [n]) where the row's token in input_ids [B, 1] is one of the
+    ends, into input_ids; position_ids [B, 1] + 1; lengths [B] = length + 1 and step_positions [B] = length."""
+    _check(logits, "the logits")
+    if logits.stride(-1) != 1 or input_ids.shape[0] != logits.shape[0]:
+        raise ValueError("advance_greedy takes logits [B, V] with contiguous rows and one input id per row")
+    for tensor, dtype, what in ((input_ids, torch.long, "input_ids"), (position_ids, torch.long, "position_ids"),
+                                (lengths, torch.int32, "lengths"), (step_positions, torch.int32, "step positions")):
+        if tensor.dtype != dtype or not tensor.is_contiguous() or tensor.numel() != logits.shape[0]:
+            raise ValueError(f"advance_greedy: {what} must be a contiguous {dtype} tensor of one value per row")
+    pad, ends = finished if finished is not None else (None, None)
+    args = (ptr(logits), np.int64(logits.stride(0)), i32(logits.shape[-1]), ptr(input_ids), ptr(position_ids),
+            ptr(ends), i32(0 if ends is None else ends.numel()), ptr(pad), ptr(lengths), ptr(step_positions),
+            i32(length))  # fmt: skip
+    launch(kernel("sampling.cu", f"advance_greedy<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (512,), args)

@@ -34,6 +34,27 @@ def test_paged_cache_equals_plain_cache(variant):
     assert cache.bytes_per_token() == slots * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
 
 
+def test_a_decode_step_begun_for_device_metadata_matches_begin_step():
+    """begin_decode_step (CUDA-path run-ahead writes the metadata in its own kernel) leaves the cache as begin_step
+    does once its buffers hold length + 1 and length; a cache without tokens is refused."""
+    model = tiny_model("ouro")
+    caches = [PagedTinyLoopCache(model.config, capacity=32) for _ in range(2)]
+    for cache in caches:
+        with torch.no_grad():
+            model(IDS[:, :6], past_key_values=cache, use_cache=True)
+    like = torch.zeros(2, 1, model.config.hidden_size)
+    caches[0].begin_step(2, 1, None, like)
+    lengths, positions = caches[1].begin_decode_step(2, like)
+    assert lengths is caches[1].storage.lengths and positions is caches[1].step_positions
+    lengths.fill_(caches[1].length + 1)
+    positions.fill_(caches[1].length)
+    assert caches[1].step_tokens == caches[0].step_tokens == 1
+    assert torch.equal(caches[1].step_positions, caches[0].step_positions)
+    assert torch.equal(caches[1].storage.lengths, caches[0].storage.lengths)
+    with pytest.raises(ValueError, match="continues a cached sequence"):
+        PagedTinyLoopCache(model.config).begin_decode_step(2, like)
+
+
 def test_pages_follow_the_block_table():
     model = tiny_model("ouro")
     cache = PagedTinyLoopCache(model.config, capacity=40)

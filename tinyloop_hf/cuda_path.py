@@ -383,18 +383,18 @@ class CudaPath:
         """Replay the next decode step on the side stream with the guessed tokens (see run_ahead)."""
         if cache.length + 1 > cache.storage.capacity or cache.length >= self.model.config.max_position_embeddings:
             return
+        from .kernels.ops_cuda import advance_greedy
+
         side = self.side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # the logits are copied out, the inputs written
         with torch.cuda.stream(side):
-            guess = entry.output[:, -1].argmax(-1, keepdim=True)
-            if self.finished_token is not None:
-                pad, ends = self.finished_token
-                guess = torch.where(torch.isin(entry.input_ids, ends), pad, guess)
-            entry.input_ids.copy_(guess)
-            entry.position_ids.add_(1)
+            # The guessed tokens, positions and the cache's step metadata in one kernel: as separate small kernels
+            # (argmax, isin, where, copy, add, two fills) they kept the GPU idle ~40 us between two steps.
+            lengths, step_positions = cache.begin_decode_step(entry.input_ids.shape[0], entry.output)
+            advance_greedy(entry.output[:, -1], entry.input_ids, entry.position_ids, self.finished_token, lengths,
+                           step_positions, cache.length)  # fmt: skip
             guessed = torch.cuda.Event()
             guessed.record(side)
-            cache.begin_step(entry.input_ids.shape[0], 1, None, entry.output)  # the step's device metadata
             entry.graph.replay()
         cache.step_tokens = 0  # committed by the next run() if it asks for these tokens
         self.ahead = _StepAhead(key, cache, guessed)

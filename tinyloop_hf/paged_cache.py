@@ -177,6 +177,16 @@ class PagedTinyLoopCache(TinyLoopCache):
             raise ValueError(_LEFT_PADDING_ONLY)  # the padding was fixed by the prompt; new tokens are all attended
         self.step_tokens = new_tokens
 
+    def begin_decode_step(self, batch: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """begin_step of a one-token continuation whose device metadata the caller writes (CUDA-path run-ahead, in
+        one kernel with the step's tokens): reserve room and point step_positions at its buffer. Returns the int32
+        buffers to fill: lengths [B] with length + 1 and step positions [B] with length."""
+        if self.length == 0:
+            raise ValueError("begin_decode_step continues a cached sequence; a prompt starts with begin_step")
+        self.reserve(batch, self.length + 1, like.dtype, like.device)
+        self.step_positions, self.step_tokens = self.storage.step_positions(1), 1
+        return self.storage.lengths, self.step_positions
+
     def reserve(self, batch: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         """Storage for ``batch`` rows of at least ``tokens`` tokens (allocated, or grown keeping the contents)."""
         if self.storage is None or self.storage.batch != batch or tokens > self.storage.capacity:

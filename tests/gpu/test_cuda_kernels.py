@@ -235,6 +235,31 @@ def test_sampling_kernel_greedy_and_gumbel():
     assert not torch.equal(ops_cuda.sample_tokens(rows, temperature=1.0, seed=seed), draws)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_advance_greedy_writes_the_next_steps_inputs(dtype):
+    """Run-ahead's one-launch step inputs equal what the small torch ops gave: argmax per row (ties to the lowest
+    index), the pad for rows whose current token is an end, positions + 1, lengths and step positions."""
+    rows, vocab, length = 5, 49152, 37
+    logits = torch.randn(rows, 1, vocab, device="cuda", dtype=dtype)
+    logits[2, 0, 700] = logits[2, 0, 90] = logits[2].max() + 1  # a tie: index 90
+    input_ids = torch.tensor([[5], [11], [7], [3], [11]], device="cuda")
+    position_ids = torch.arange(rows, device="cuda")[:, None] + 40
+    pad = torch.tensor([3], device="cuda")
+    ends = torch.tensor([3, 11, 12], device="cuda")
+    lengths, step_positions = torch.zeros(rows, 2, dtype=torch.int32, device="cuda").unbind(1)
+    lengths, step_positions = lengths.contiguous(), step_positions.contiguous()
+    guess = logits[:, -1].argmax(-1, keepdim=True)
+    want_ids = torch.where(torch.isin(input_ids, ends), pad, guess)
+    want_positions = position_ids + 1
+    ops_cuda.advance_greedy(logits[:, -1], input_ids, position_ids, (pad, ends), lengths, step_positions, length)
+    assert torch.equal(input_ids, want_ids) and int(input_ids[2]) == 90
+    assert torch.equal(input_ids[[1, 3, 4]].flatten().cpu(), torch.tensor([3, 3, 3]))
+    assert torch.equal(position_ids, want_positions)
+    assert (lengths == length + 1).all() and (step_positions == length).all()
+    ops_cuda.advance_greedy(logits[:, -1], input_ids, position_ids, None, lengths, step_positions, length + 1)
+    assert torch.equal(input_ids, guess) and (lengths == length + 2).all()
+
+
 def test_compile_error_names_the_kernel():
     with pytest.raises(KernelCompileError, match=r"gemv_quant<4, float, 1, 2, false, 1, false>.*\n"):
         kernel("gemv_quant.cu", "gemv_quant<4, float, 1, 2, false, 1, false>")
