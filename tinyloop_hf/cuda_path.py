@@ -105,7 +105,7 @@ class _StepGraph:
 
 class CudaPath:
     def __init__(self, model: Any, kv_cache_dtype: str, cuda_graphs: bool, run_ahead: bool = True) -> None:
-        from .kernels import ops_cuda  # noqa: F401  (registers the "cuda" ops)
+        from .kernels import ops_cuda  # registers the "cuda" ops
         from .kernels.loader import CudaPathUnavailable, check_device
 
         parameter = next(model.parameters())
@@ -132,6 +132,7 @@ class CudaPath:
         from .kernels.fused_decode import FusedDecode
 
         self.fused = FusedDecode(model)  # batch-1 decode steps as one kernel where it serves them
+        self._advance_greedy = ops_cuda.advance_greedy  # run-ahead's step inputs (bound once, not imported per token)
 
     # -- caches ------------------------------------------------------------------------------------------------------
 
@@ -383,16 +384,14 @@ class CudaPath:
         """Replay the next decode step on the side stream with the guessed tokens (see run_ahead)."""
         if cache.length + 1 > cache.storage.capacity or cache.length >= self.model.config.max_position_embeddings:
             return
-        from .kernels.ops_cuda import advance_greedy
-
         side = self.side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))  # the logits are copied out, the inputs written
         with torch.cuda.stream(side):
             # The guessed tokens, positions and the cache's step metadata in one kernel: as separate small kernels
             # (argmax, isin, where, copy, add, two fills) they kept the GPU idle ~40 us between two steps.
             lengths, step_positions = cache.begin_decode_step(entry.input_ids.shape[0], entry.output)
-            advance_greedy(entry.output[:, -1], entry.input_ids, entry.position_ids, self.finished_token, lengths,
-                           step_positions, cache.length)  # fmt: skip
+            self._advance_greedy(entry.output[:, -1], entry.input_ids, entry.position_ids, self.finished_token,
+                                 lengths, step_positions, cache.length)  # fmt: skip
             guessed = torch.cuda.Event()
             guessed.record(side)
             entry.graph.replay()
