@@ -72,3 +72,27 @@ __global__ void dequantize_weights(
                                  scale_is_bf16, midpoint, out + (first_row + row) * K + word_index * cpw);
     }
 }
+
+// The embedding lookup of QuantEmbedding on the CUDA path: output row r = row ids[r] of the packed table, word by
+// word as dequantize_weights (so exactly the reference path's lookup), in one launch where the reference ops take
+// ~20 small kernels (gathers of each packed tensor, unpacking, the group expansion). blockIdx.y = output row.
+// An id outside the table stops the kernel with a message, as torch's gather asserts on the device.
+template <int BITS, typename T>
+__global__ void dequantize_rows(const unsigned* qw, const unsigned* qh, const unsigned short* sc,
+                                const unsigned char* zr, const long long* __restrict__ ids, int table_rows,
+                                T* __restrict__ out, int K, int group_shift, int groups, int scale_is_bf16,
+                                int midpoint) {
+    constexpr int cpw = Layout<BITS>::cols_per_word;
+    const int words = K / cpw, word_index = blockIdx.x * blockDim.x + threadIdx.x;
+    if (word_index >= words) return;
+    const long long id = ids[blockIdx.y];
+    if (id < 0 || id >= table_rows) {
+        if (word_index == 0) printf("dequantize_rows: token id %lld is outside the table [0, %d)\n", id, table_rows);
+        __trap();
+    }
+    const int row = static_cast<int>(id);
+    const QuantMatrix mat{qw, qh, sc, zr};
+    dequantize_word<BITS, T>(mat, __ldg(qw + static_cast<long long>(row) * words + word_index), row, words,
+                             word_index, group_shift, groups, scale_is_bf16, midpoint,
+                             out + static_cast<long long>(blockIdx.y) * K + word_index * cpw);
+}

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_inv_freq
 from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PagedTinyLoopCache
-from tinyloop_hf.quant_tinyloop import QuantLinear
+from tinyloop_hf.quant_tinyloop import PackedModule, QuantEmbedding, QuantLinear
 
 from . import attention_block, fused_decode
 from .loader import (
@@ -61,7 +61,8 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "gemv_quant.cu": [f"gemv_quant<{b}, {t}, {m}, {r}, {sw}, {k}, {rope}>" for b in (2, 3, 4, 8) for t in types
                           for m, r, sw, k in gemv_variants
                           for rope in (("false", "true") if (m, r, sw) == (1, 2, "false") else ("false",))],
-        "dequantize.cu": [f"dequantize_weights<{b}, {t}>" for b in (2, 3, 4, 8) for t in types],
+        "dequantize.cu": [f"{name}<{b}, {t}>" for name in ("dequantize_weights", "dequantize_rows") for b in (2, 3, 4, 8)
+                          for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
@@ -70,6 +71,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
+        "rope_angles.cu": ["rope_angles"],
         "paged_attention.cu": [f"paged_decode<{t}, {i}, {g}, {c}, {d}, {n}, {u}>" for t in types for i in (0, 1)
                                for g in (1, 2, 4, 8) for c in (1, DECODE_CLUSTER)
                                for d in (PAGED_DIMS if full else (128,))
@@ -85,9 +87,13 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
+def _check_on_gpu(tensor: torch.Tensor, what: str) -> None:
     if not tensor.is_cuda:
         raise CudaPathUnavailable(f"{what} is on {tensor.device}; the CUDA path needs every tensor on the GPU")
+
+
+def _check(tensor: torch.Tensor, what: str, dtype: torch.dtype | None = None) -> None:
+    _check_on_gpu(tensor, what)
     cuda_type(tensor.dtype)
     if dtype is not None and tensor.dtype != dtype:
         raise CudaPathUnavailable(f"{what} is {tensor.dtype} but the activations are {dtype}")
@@ -143,9 +149,9 @@ def _matrix_arguments(layers: list[QuantLinear], tensor_names: tuple[str, ...]) 
     return arguments
 
 
-def _format_arguments(layer: QuantLinear) -> tuple:
+def _format_arguments(layer: PackedModule) -> tuple:
     """K and the packed format as the low-bit kernels take them: K, group shift, groups, bf16 scales, midpoint."""
-    fmt, K = layer.format, layer.in_features
+    fmt, K = layer.format, layer.packed_dims[1]
     return (i32(K), i32(group_shift(fmt)), i32(fmt.groups(K)), i32(int(layer.scales.dtype == torch.bfloat16)),
             i32(fmt.midpoint))  # fmt: skip
 
@@ -307,6 +313,41 @@ def dequantize_weights(layers: list[QuantLinear], dtype: torch.dtype) -> torch.T
     name = f"dequantize_weights<{fmt.bits}, {cuda_type(dtype)}>"
     launch(kernel("dequantize.cu", name), (min(4096, math.ceil(max(rows) * words / 256)), len(layers)), (256,), args)
     return out
+
+
+@register_op("quant_embedding", CUDA)
+def quant_embedding(input_ids: torch.Tensor, table: QuantEmbedding) -> torch.Tensor:
+    """The rows ``input_ids`` of a packed embedding table in its compute dtype, [*input_ids.shape, dim]: one launch
+    (kernels/dequantize.cu dequantize_rows), the reference lookup's values exactly."""
+    _check_on_gpu(table.qweight, "the embedding table")
+    if input_ids.device != table.qweight.device:
+        raise CudaPathUnavailable(f"input_ids are on {input_ids.device}, the embedding table on {table.qweight.device}")
+    fmt, (rows, dim) = table.format, table.packed_dims
+    ids = input_ids.reshape(-1).to(torch.long).contiguous()
+    out = torch.empty(ids.numel(), dim, dtype=table.compute_dtype, device=ids.device)
+    if ids.numel():
+        packed = (ptr(getattr(table, name, None)) for name in _PACKED_TENSORS)
+        args = (*packed, ptr(ids), i32(rows), ptr(out), *_format_arguments(table))
+        words = dim // _columns_per_word(fmt)
+        name = f"dequantize_rows<{fmt.bits}, {cuda_type(table.compute_dtype)}>"
+        launch(kernel("dequantize.cu", name), (math.ceil(words / 256), ids.numel()), (256,), args)
+    return out.view(*input_ids.shape, dim)
+
+
+@register_op("rope_angles", CUDA)
+def rope_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, S, head_dim // 2] (fp32) of integer positions [B, S]: the reference's values, in one launch."""
+    _check_on_gpu(position_ids, "position_ids")
+    half = head_dim // 2
+    positions = position_ids.to(torch.long).contiguous()
+    cos = torch.empty(*positions.shape, half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    count = positions.numel() * half
+    if count:
+        inv_freq = rope_inv_freq(head_dim, theta, positions.device)
+        args = (ptr(positions), ptr(inv_freq), i32(half), i32(positions.numel()), ptr(cos), ptr(sin))
+        launch(kernel("rope_angles.cu", "rope_angles"), (math.ceil(count / 256),), (256,), args)
+    return cos, sin
 
 
 def dequantize_weight(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
@@ -744,7 +785,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float = 0.0, seed: torch.Te
         raise ValueError("sampling with temperature > 0 needs a seed tensor")
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     args = (ptr(logits), ptr(tokens), i32(logits.shape[-1]), ptr(seed), f32(temperature))
-    launch(kernel("sampling.cu", f"sample_tokens<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (512,), args)
+    launch(kernel("sampling.cu", f"sample_tokens<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (1024,), args)
     return tokens
 
 
@@ -771,4 +812,4 @@ def advance_greedy(
     args = (ptr(logits), np.int64(logits.stride(0)), i32(logits.shape[-1]), ptr(input_ids), ptr(position_ids),
             ptr(ends), i32(0 if ends is None else ends.numel()), ptr(pad), ptr(lengths), ptr(step_positions),
             i32(length))  # fmt: skip
-    launch(kernel("sampling.cu", f"advance_greedy<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (512,), args)
+    launch(kernel("sampling.cu", f"advance_greedy<{cuda_type(logits.dtype)}>"), (logits.shape[0],), (1024,), args)

@@ -52,6 +52,7 @@ def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: (file, name))
     monkeypatch.setattr(ops_cuda, "_check", lambda *args: None)
+    monkeypatch.setattr(ops_cuda, "_check_on_gpu", lambda *args: None)
     monkeypatch.setattr(ops_cuda, "decode_cluster", lambda device: ops_cuda.DECODE_CLUSTER)  # as on sm_90+
     monkeypatch.setattr(ops_cuda, "multiprocessors", lambda device: 132)  # an H100 / H200
     # Graphs without programmatic launches (before sm_90, or turned off): junctions fused into GEMV prologues.
@@ -120,9 +121,26 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
         assert shared_mem <= 48 * 1024 and all(isinstance(g, int) and g > 0 for g in grid), name
 
 
+def test_a_packed_embedding_lookup_is_one_launch(launches):
+    """QuantEmbedding on the CUDA path: one dequantize_rows launch per lookup (a grid row per token), its arguments
+    as the kernel declares them."""
+    model = tiny_model("llama", hidden_size=64, intermediate_size=128, tie_word_embeddings=False)
+    components = {"embed_tokens": {"bits": 8, "group_size": None}}
+    quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=32, components=components), progress=False)
+    model = model.to(torch.bfloat16)
+    model.set_op_backend("cuda")
+    out = model.model.embed_tokens(torch.randint(1, 256, (2, 3)))
+    assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
+    (file, name, grid, args, _), *others = [launch for launch in launches if launch[1].startswith("dequantize_rows")]
+    assert not others and name == "dequantize_rows<8, __nv_bfloat16>" and grid == (1, 6)
+    assert len(args) == declared_parameters(file, "dequantize_rows")
+    assert int(args[5]) == 256 and int(args[7]) == 64  # table rows, K
+
+
 def _ouro_decode_step(launches: list) -> tuple:
     """An INT4 Ouro model (2 loop-block layers x 3 loops, sandwich norms) and its cache, with ``launches`` holding
-    the kernels of one decode step after an 8-token prompt."""
+    the kernels of one decode step after an 8-token prompt, from its first layer on (the step's RoPE angles, one
+    launch, come first and are checked and dropped here)."""
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
     ids = torch.randint(1, 256, (1, 9))
@@ -130,6 +148,8 @@ def _ouro_decode_step(launches: list) -> tuple:
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         launches.clear()
         model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    assert launches[0][1] == "rope_angles" and sum(launch[1] == "rope_angles" for launch in launches) == 1
+    del launches[0]
     return model, cache
 
 

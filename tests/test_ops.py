@@ -75,7 +75,8 @@ def test_attn_implementation_eager_gives_the_same_model_output(tmp_path):
         assert torch.allclose(eager(IDS).logits, model(IDS).logits, atol=1e-5)
 
 
-MODULE_OPS = ("linear", "rms_norm", "self_attention", "mlp", "residual_norm", "junction_attention", "junction_mlp")
+MODULE_OPS = ("linear", "rms_norm", "self_attention", "mlp", "residual_norm", "junction_attention", "junction_mlp",
+              "rope_angles")  # fmt: skip
 
 
 def test_a_registered_backend_replaces_every_op_without_model_changes():
@@ -103,6 +104,7 @@ def test_a_registered_backend_replaces_every_op_without_model_changes():
     # junction of a chain's final block is its own residual_norm, the others are deferred to the next block.
     assert calls["self_attention"] == calls["mlp"] == calls["junction_mlp"] == layers
     assert calls["junction_attention"] == layers - chains and calls["residual_norm"] == chains
+    assert calls["rope_angles"] == 1  # once per forward, shared by every layer
     assert "counting" in backends_of("linear")
 
 

@@ -383,6 +383,7 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         self.norm = TinyLoopRMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.exit_gate:
             self.exit_gate = TinyLoopLinear(config.hidden_size, 1, bias=True)
+        self.op_backend = REFERENCE  # the step's own ops (RoPE angles)
         self.post_init()
 
     def forward(
@@ -597,7 +598,8 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
     ) -> _ForwardContext:
         """The context of a step over ``like`` [B, S, H] after ``past`` cached tokens; the cache is told it starts."""
         batch, length = like.shape[:2]
-        cos, sin = rope_angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
+        angles = get_op("rope_angles", self.op_backend)
+        cos, sin = angles(position_ids.expand(batch, -1), self.config.head_dim, self.config.rope_theta)
         mask, is_causal = _attention_mask(attention_mask, past, length, batch, like.device)
         if cache is not None:
             cache.begin_step(batch, length, attention_mask, like)

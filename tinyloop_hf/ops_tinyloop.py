@@ -108,6 +108,7 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Te
     return inv_freq
 
 
+@register_op("rope_angles", REFERENCE)
 def rope_angles(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [B, S, head_dim // 2] in fp32 for integer positions [B, S]."""
     inv_freq = rope_inv_freq(head_dim, theta, position_ids.device)

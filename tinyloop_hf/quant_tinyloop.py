@@ -287,6 +287,16 @@ class QuantLinear(PackedModule):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self._format_repr()}"
 
 
+@register_op("quant_embedding", REFERENCE)
+def quant_embedding(input_ids: torch.Tensor, table: QuantEmbedding) -> torch.Tensor:
+    """The rows ``input_ids`` of a packed embedding table, dequantized exactly (fp32) and cast to its compute dtype.
+    Row gathers and elementwise unpacking only: no host tensor and no sync, so a CUDA graph can capture it."""
+    rows = input_ids.reshape(-1)
+    packed = PackedWeight(**{name: value.index_select(0, rows) for name, value in table.packed().tensors().items()})
+    values = dequantize(packed, table.format).to(table.compute_dtype)
+    return values.reshape(*input_ids.shape, table.embedding_dim)
+
+
 class QuantEmbedding(PackedModule):
     """A token embedding table with packed low-bit rows (one per vocabulary entry; layout as QuantLinear's).
 
@@ -308,13 +318,10 @@ class QuantEmbedding(PackedModule):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = None  # nn.Embedding's attribute, read by generic code; no row is special here
         self.compute_dtype = dtype
+        self.op_backend = REFERENCE
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Row gathers and elementwise unpacking only: no host tensor and no sync, so a CUDA graph can capture it.
-        rows = input_ids.reshape(-1)
-        packed = PackedWeight(**{name: value.index_select(0, rows) for name, value in self.packed().tensors().items()})
-        table = dequantize(packed, self.format).to(self.compute_dtype)
-        return table.reshape(*input_ids.shape, self.embedding_dim)
+        return get_op("quant_embedding", self.op_backend)(input_ids, self)
 
     def _apply(self, fn: Any, recurse: bool = True) -> QuantEmbedding:
         super()._apply(fn, recurse)

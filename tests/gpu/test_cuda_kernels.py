@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import tiny_model
-from tinyloop_hf import QuantFormat, QuantLinear, TinyLoopQuantConfig
+from tinyloop_hf import QuantEmbedding, QuantFormat, QuantLinear, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
-from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op
-from tinyloop_hf.quant_tinyloop import quantize_rtn
+from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, rope_angles
+from tinyloop_hf.quant_tinyloop import dequantize, quantize_rtn
 
 pytestmark = pytest.mark.gpu
 
@@ -233,6 +233,60 @@ def test_sampling_kernel_greedy_and_gumbel():
     assert (frequencies.cpu() - probabilities).abs().max() < 0.01
     seed += 1
     assert not torch.equal(ops_cuda.sample_tokens(rows, temperature=1.0, seed=seed), draws)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_picks_follow_torch_argmax_on_nan_ties_and_unaligned_rows(dtype):
+    """The vectorized row argmax: NaN above every number (the first NaN wins, as torch.argmax), ties to the lowest
+    index, and rows that are not 16-byte aligned or not a multiple of 8 long (the scalar remainder)."""
+    logits = torch.randn(4, 1001, device="cuda", dtype=dtype)
+    logits[0, 5] = logits[0, 999] = logits[0].max() + 1  # tie across the vector body and the tail
+    logits[1, 640] = logits[1, 17] = float("nan")
+    logits[2, 1000] = logits[2].max() + 1  # the last element, in the scalar tail
+    logits[3, :] = float("-inf")  # every value -inf: index 0
+    for rows in (logits, logits[:, 1:], logits[:, :992].contiguous()):  # 1001 / 1000 (unaligned) / 992 (no tail)
+        assert torch.equal(ops_cuda.sample_tokens(rows), rows.float().argmax(-1)), rows.shape
+        ids = torch.zeros(4, 1, dtype=torch.long, device="cuda")
+        positions, lengths, step_positions = (torch.zeros(4, dtype=t, device="cuda") for t in
+                                              (torch.long, torch.int32, torch.int32))  # fmt: skip
+        ops_cuda.advance_greedy(rows, ids, positions[:, None], None, lengths, step_positions, 3)
+        assert torch.equal(ids[:, 0], rows.float().argmax(-1)), rows.shape
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [32, None])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_embedding_lookup_is_the_reference_lookup(bits, group, symmetric, dtype):
+    """dequantize_rows: bit for bit the reference lookup (fp32 (q - z) * s, rounded once), repeated ids included,
+    eagerly and replayed in a CUDA graph."""
+    fmt = QuantFormat(bits=bits, group_size=group, symmetric=symmetric)
+    table = QuantEmbedding(301, 320, fmt)
+    table.load_packed(quantize_rtn(torch.randn(301, 320, generator=torch.Generator().manual_seed(bits)), fmt))
+    table = table.cuda().to(dtype)
+    ids = torch.tensor([[0, 300, 7], [7, 150, 299]], device="cuda")
+    want = dequantize(table.packed(), fmt)[ids].to(dtype)
+    assert torch.equal(get_op("quant_embedding", REFERENCE)(ids, table), want)
+    got = get_op("quant_embedding", "cuda")(ids, table)
+    assert got.shape == (2, 3, 320) and got.dtype == dtype and torch.equal(got, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = get_op("quant_embedding", "cuda")(ids, table)
+    ids.copy_(torch.tensor([[1, 2, 3], [298, 0, 0]]))
+    graph.replay()
+    assert torch.equal(replayed, dequantize(table.packed(), fmt)[ids].to(dtype))
+
+
+@pytest.mark.parametrize("head_dim, theta", [(64, 10000.0), (128, 1e6), (256, 500000.0)])
+def test_rope_angles_kernel_equals_torch_on_the_gpu(head_dim, theta):
+    """One launch for cos / sin of the step's angles: the same values torch's own CUDA kernels give."""
+    positions = torch.tensor([[0, 1, 2, 4095], [17, 131071, 65536, 3]], device="cuda")
+    want_cos, want_sin = rope_angles(positions, head_dim, theta)
+    cos, sin = get_op("rope_angles", "cuda")(positions, head_dim, theta)
+    assert cos.shape == (2, 4, head_dim // 2) and cos.dtype == torch.float32
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    cos, sin = get_op("rope_angles", "cuda")(positions[:1].expand(3, -1), head_dim, theta)  # an expanded view
+    assert torch.equal(cos, want_cos[:1].expand(3, -1, -1)) and torch.equal(sin, want_sin[:1].expand(3, -1, -1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
