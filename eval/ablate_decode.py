@@ -179,6 +179,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-inflight", type=int, help="its batches in flight per CTA (fused_decode.INFLIGHT)")
     parser.add_argument("--plain-fused-launch", action="store_true",
                         help="the fused kernel launched without the cooperative attribute (its default)")
+    parser.add_argument("--no-fused-programmatic", action="store_true",
+                        help="the fused kernel launched after the kernel before it ends (fused_decode.PROGRAMMATIC)")
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
@@ -213,6 +215,7 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.fused_inflight:
         fused_decode.INFLIGHT = args.fused_inflight
     fused_decode.COOPERATIVE = not args.plain_fused_launch
+    fused_decode.PROGRAMMATIC = not args.no_fused_programmatic
     patch_sources(args.without + args.variant)
 
 
@@ -222,6 +225,7 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     threads = sorted({plan.threads for plan in model._cuda_path.fused.plans.values() if not isinstance(plan, str)})
     label += f", fused decode kernel ({'/'.join(map(str, threads))} threads)" if model._cuda_path.fused.steps else ""
     label += ", plain launch" if model._cuda_path.fused.steps and args.plain_fused_launch else ""
+    label += ", not programmatic" if model._cuda_path.fused.steps and args.no_fused_programmatic else ""
     label += f", {args.fused_splits} attention splits" if args.fused_splits else ""
     label += ", no K/V prefetch" if model._cuda_path.fused.steps and args.no_kv_prefetch else ""
     label += f", TMA batches of {args.fused_chunk} bytes" if args.fused_chunk else ""

@@ -334,10 +334,6 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
     }
     __syncthreads();
     for (int i = threadIdx.x; i < W.units; i += THREADS) units_s[i] = P.unit_rows[cta * MAX_UNITS + i];
-    for (int i = threadIdx.x; i < P.D / 2; i += THREADS) {
-        angles[0][i] = rope_cos[i];
-        angles[1][i] = rope_sin[i];
-    }
     if (threadIdx.x == 0) {
         const int position = __ldcg(P.positions);
         step_s[0] = __ldcg(P.lengths);
@@ -405,6 +401,15 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
 
     // ---- consumers ----
     const int ct = threadIdx.x - 32, cwarp = ct >> 5, lane = ct & 31;
+    // In a graph this kernel is launched programmatically and the RoPE angles kernel before it lets it start at once:
+    // the producer's weight stream (above) overlaps that kernel; what earlier kernels wrote (the angles, the embedded
+    // input) is read after pdl_wait.
+    pdl_wait();
+    for (int i = ct; i < P.D / 2; i += CONSUMERS) {
+        angles[0][i] = rope_cos[i];
+        angles[1][i] = rope_sin[i];
+    }
+    consumers_sync<CONSUMERS>();
     // Shapes are read from the shared Params where used (references, not register copies live through the loop).
     const int &H = P.H, &F = P.F, &Hq = P.Hq, &Hkv = P.Hkv, &Gq = P.Gq, &S = P.S;
     const float& eps = P.eps;
@@ -839,6 +844,9 @@ __global__ void __launch_bounds__(THREADS, 1) fused_decode(const Params* __restr
         }
     }
     // ================= the last junction and final norm (CTA 0) =================
+    // The other CTAs are done: the next kernel (the LM head, launched programmatically in a graph) may start its CTAs
+    // and their first weight loads while CTA 0 finishes.
+    pdl_trigger();
     if (cta != 0) return;
     const App* last = P.apps_table + apps - 1;
     float v[8];

@@ -42,6 +42,11 @@ SPARE_SMS = 4
 # cooperative against 2.475 / 2.479 plain (twenty-second session). Off only for that A/B
 # (``ablate_decode --plain-fused-launch``).
 COOPERATIVE = True
+# In a graph the kernel is launched programmatically: the RoPE angles kernel before it lets it start at once, so its
+# CTAs start up and its weight stream begins while that kernel runs (it reads their outputs after pdl_wait), and it lets
+# the LM head after it start while CTA 0 finishes the last junction. Off for A/B (``ablate_decode
+# --no-fused-programmatic``).
+PROGRAMMATIC = True
 RING, MAX_TASKS, MAX_UNITS, STAGE_WORDS = 128, 64, 128, 4  # fused_decode.cu constants
 # CTA sizes, in the order tried: 384 threads (11 consumer warps, 168 registers, no spills) where a staged vector fits
 # their STAGE_WORDS words each, else 512 (15 consumer warps at the 128-register cap). H200, Ouro-1.4B shape: 2.47 ms
@@ -427,7 +432,7 @@ class FusedDecode:
         if function.max_dynamic_shared_size_bytes != plan.smem:
             function.max_dynamic_shared_size_bytes = plan.smem
         launch(function, (plan.grid,), (plan.threads,), (ptr(plan.params), ptr(cos), ptr(sin), ptr(hidden)),
-               shared_mem=plan.smem, cooperative=COOPERATIVE)  # fmt: skip
+               shared_mem=plan.smem, dependent=PROGRAMMATIC, cooperative=COOPERATIVE)  # fmt: skip
         for slot in plan.slots:
             cache.mark_written(slot)
         self.steps += 1
