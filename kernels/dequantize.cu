@@ -75,7 +75,8 @@ __global__ void dequantize_weights(
 
 // The embedding lookup of QuantEmbedding on the CUDA path: output row r = row ids[r] of the packed table, word by
 // word as dequantize_weights (so exactly the reference path's lookup), in one launch where the reference ops take
-// ~20 small kernels (gathers of each packed tensor, unpacking, the group expansion). blockIdx.y = output row.
+// ~20 small kernels (gathers of each packed tensor, unpacking, the group expansion). blockIdx.x = output row (a prompt
+// can pass grid y's limit of 65,535 rows: batch 16 x 8,192 tokens), blockIdx.y = block of words.
 // An id outside the table stops the kernel with a message, as torch's gather asserts on the device.
 template <int BITS, typename T>
 __global__ void dequantize_rows(const unsigned* qw, const unsigned* qh, const unsigned short* sc,
@@ -83,9 +84,9 @@ __global__ void dequantize_rows(const unsigned* qw, const unsigned* qh, const un
                                 T* __restrict__ out, int K, int group_shift, int groups, int scale_is_bf16,
                                 int midpoint) {
     constexpr int cpw = Layout<BITS>::cols_per_word;
-    const int words = K / cpw, word_index = blockIdx.x * blockDim.x + threadIdx.x;
+    const int words = K / cpw, word_index = blockIdx.y * blockDim.x + threadIdx.x;
     if (word_index >= words) return;
-    const long long id = ids[blockIdx.y];
+    const long long id = ids[blockIdx.x];
     if (id < 0 || id >= table_rows) {
         if (word_index == 0) printf("dequantize_rows: token id %lld is outside the table [0, %d)\n", id, table_rows);
         __trap();
@@ -94,5 +95,5 @@ __global__ void dequantize_rows(const unsigned* qw, const unsigned* qh, const un
     const QuantMatrix mat{qw, qh, sc, zr};
     dequantize_word<BITS, T>(mat, __ldg(qw + static_cast<long long>(row) * words + word_index), row, words,
                              word_index, group_shift, groups, scale_is_bf16, midpoint,
-                             out + static_cast<long long>(blockIdx.y) * K + word_index * cpw);
+                             out + static_cast<long long>(blockIdx.x) * K + word_index * cpw);
 }

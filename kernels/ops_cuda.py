@@ -330,7 +330,7 @@ def quant_embedding(input_ids: torch.Tensor, table: QuantEmbedding) -> torch.Ten
         args = (*packed, ptr(ids), i32(rows), ptr(out), *_format_arguments(table))
         words = dim // _columns_per_word(fmt)
         name = f"dequantize_rows<{fmt.bits}, {cuda_type(table.compute_dtype)}>"
-        launch(kernel("dequantize.cu", name), (math.ceil(words / 256), ids.numel()), (256,), args)
+        launch(kernel("dequantize.cu", name), (ids.numel(), math.ceil(words / 256)), (256,), args)
     return out.view(*input_ids.shape, dim)
 
 

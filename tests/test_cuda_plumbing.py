@@ -122,8 +122,8 @@ def test_every_launch_matches_its_kernel_signature(variant, launches):
 
 
 def test_a_packed_embedding_lookup_is_one_launch(launches):
-    """QuantEmbedding on the CUDA path: one dequantize_rows launch per lookup (a grid row per token), its arguments
-    as the kernel declares them."""
+    """QuantEmbedding on the CUDA path: one dequantize_rows launch per lookup, a CTA per token along grid x (whose
+    limit, unlike y's 65,535, no prompt reaches), its arguments as the kernel declares them."""
     model = tiny_model("llama", hidden_size=64, intermediate_size=128, tie_word_embeddings=False)
     components = {"embed_tokens": {"bits": 8, "group_size": None}}
     quantize_model(model, TinyLoopQuantConfig(bits=4, group_size=32, components=components), progress=False)
@@ -132,7 +132,7 @@ def test_a_packed_embedding_lookup_is_one_launch(launches):
     out = model.model.embed_tokens(torch.randint(1, 256, (2, 3)))
     assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
     (file, name, grid, args, _), *others = [launch for launch in launches if launch[1].startswith("dequantize_rows")]
-    assert not others and name == "dequantize_rows<8, __nv_bfloat16>" and grid == (1, 6)
+    assert not others and name == "dequantize_rows<8, __nv_bfloat16>" and grid == (6, 1)
     assert len(args) == declared_parameters(file, "dequantize_rows")
     assert int(args[5]) == 256 and int(args[7]) == 64  # table rows, K
 

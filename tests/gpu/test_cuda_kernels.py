@@ -277,6 +277,17 @@ def test_packed_embedding_lookup_is_the_reference_lookup(bits, group, symmetric,
     assert torch.equal(replayed, dequantize(table.packed(), fmt)[ids].to(dtype))
 
 
+def test_packed_embedding_lookup_of_a_long_prompt():
+    """More ids than a grid's y dimension allows (65,535: batch 16 x 8,192 prompt tokens is 131,072)."""
+    fmt = QuantFormat(bits=8, group_size=None)
+    table = QuantEmbedding(301, 64, fmt)
+    table.load_packed(quantize_rtn(torch.randn(301, 64, generator=torch.Generator().manual_seed(0)), fmt))
+    table = table.cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 301, (2, 70000), generator=torch.Generator().manual_seed(1)).cuda()
+    got = get_op("quant_embedding", "cuda")(ids, table)
+    assert torch.equal(got, dequantize(table.packed(), fmt)[ids].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("head_dim, theta", [(64, 10000.0), (128, 1e6), (256, 500000.0)])
 def test_rope_angles_kernel_equals_torch_on_the_gpu(head_dim, theta):
     """One launch for cos / sin of the step's angles: the same values torch's own CUDA kernels give."""
