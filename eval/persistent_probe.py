@@ -8,6 +8,11 @@ the junction; 24 layers x 4 loops, a distinct buffer per layer so nothing stays 
 
 --activations: every CTA of a projection phase also reads all of its input activation after
 the wait, as the tensor-core GEMM's CTAs do at batch 16 (64 KiB of x at K 2048, 176 KiB for down_proj).
+--activation-fraction F (with --activations): each CTA reads only that fraction of it, the activation traffic of a
+partition that splits K F^-1 ways across CTAs (or multicasts x to clusters of F^-1 CTAs); the partial sums such a K
+split adds are left out (a few MB per step, in L2).
+
+    python -m tinyloop_hf.eval.persistent_probe --batch 16 --ctas-per-sm 1 2 --activations --activation-fraction 1 0.25
 """
 
 from __future__ import annotations
@@ -71,14 +76,18 @@ def _packed(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, list[
     return buffer, [buffer.data_ptr() + int(o) for o in offsets], [n // 16 for n in rounded]
 
 
-def lay_out(phases: list[tuple[str, int, int, int]], device: torch.device, activations: bool) -> tuple[Step, tuple]:
+def lay_out(
+    phases: list[tuple[str, int, int, int]], device: torch.device, activations: bool, fraction: float = 1.0
+) -> tuple[Step, tuple]:
+    """The step's buffers; each CTA of a projection reads ``fraction`` of its input activation (with ``activations``)."""
     buffer, addresses, vectors = _packed([size for _, size, _, _ in phases], device)
     # Activations: the inputs of one layer's phases, reused by every layer application (the caching allocator hands
     # today's step the same few buffers), ~0.4 MB at batch 16.
     acts, act_addresses, act_vectors = _packed([a for *_, a in phases[:PHASES_PER_LAYER]], device)
     step = Step([c for _, _, c, _ in phases], addresses, vectors, sum(vectors) * 16 / 1e9,
                 [act_addresses[i % PHASES_PER_LAYER] for i in range(len(phases))],
-                [act_vectors[i % PHASES_PER_LAYER] if activations else 0 for i in range(len(phases))])  # fmt: skip
+                [round(act_vectors[i % PHASES_PER_LAYER] * fraction) if activations else 0
+                 for i in range(len(phases))])  # fmt: skip
     return step, (buffer, acts)
 
 
@@ -132,11 +141,16 @@ def main() -> None:
     parser.add_argument("--ctas-per-sm", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--activations", action="store_true",
                         help="every CTA of a projection phase also reads all of its input activation (M x K)")
+    parser.add_argument("--activation-fraction", type=float, nargs="+", default=[1.0],
+                        help="with --activations: the fraction of it each CTA reads (a K split's or multicast's share)")
     args = parser.parse_args()
+    for fraction in args.activation_fraction:
+        if not 0.0 < fraction <= 1.0:
+            raise SystemExit(f"--activation-fraction takes values in (0, 1], got {fraction}")
     device = torch.device("cuda")
     sms = multiprocessors(device)
-    for batch in args.batch:
-        step, buffer = lay_out(ouro_phases(batch), device, args.activations)
+    for batch, fraction in ((b, f) for b in args.batch for f in args.activation_fraction):
+        step, buffer = lay_out(ouro_phases(batch), device, args.activations, fraction)
         rows = [
             ("kernels, programmatic", separate_ms(step, False, True), False),
             ("kernels, plain", separate_ms(step, False, False), False),
@@ -146,7 +160,8 @@ def main() -> None:
             label = f"persistent, {sms * per_sm} CTAs ({per_sm} per SM)"
             rows.append((label, persistent_ms(step, sms * per_sm, False), False))
             rows.append((label + ", barriers only", persistent_ms(step, sms * per_sm, True), True))
-        print(f"\nbatch {batch}: {len(step.vectors)} phases per step, {step.gigabytes:.2f} GB streamed")
+        share = f", each projection CTA reading {fraction:g} of its input activation" if args.activations else ""
+        print(f"\nbatch {batch}: {len(step.vectors)} phases per step, {step.gigabytes:.2f} GB streamed{share}")
         print("| schedule | ms per step | TB/s |\n|---|---|---|")
         for label, ms, empty in rows:
             print(f"| {label} | {ms:.3f} | {'-' if empty else f'{step.gigabytes / ms:.2f}'} |")

@@ -285,3 +285,18 @@ def test_fused_profile_keeps_nanoseconds_of_a_global_timer_trace():
     raw = torch.tensor([[epoch_ns + 5, epoch_ns + 37, 0], [epoch_ns + 1000, epoch_ns + 1001, epoch_ns + 1133]])
     ticks = as_float_ticks(raw)
     assert ticks.tolist() == [[1.0, 33.0, 0.0], [996.0, 997.0, 1129.0]]
+
+
+def test_persistent_probe_reads_the_asked_fraction_of_each_activation():
+    """persistent_probe --activation-fraction: each projection CTA reads that share of its input activation (a K
+    split's traffic); phases without an activation read none, and without --activations no phase reads any."""
+    from tinyloop_hf.eval.persistent_probe import PHASES_PER_LAYER, lay_out, ouro_phases
+
+    layer = ouro_phases(16)[:PHASES_PER_LAYER]  # one layer application (~51 MB of buffers on the CPU)
+    whole, _ = lay_out(layer, torch.device("cpu"), True)
+    quarter, _ = lay_out(layer, torch.device("cpu"), True, 0.25)
+    none, _ = lay_out(layer, torch.device("cpu"), False, 0.25)
+    assert whole.act_vectors[0] == 16 * 2048 * 2 // 16  # QKV: all of x, M x K bf16 in 16-byte vectors
+    assert quarter.act_vectors == [round(v / 4) for v in whole.act_vectors]
+    assert [v == 0 for v in whole.act_vectors] == [name not in ("qkv", "o", "gate_up", "down") for name, *_ in layer]
+    assert not any(none.act_vectors) and quarter.vectors == whole.vectors
