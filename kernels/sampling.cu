@@ -55,7 +55,7 @@ __device__ __forceinline__ void row_argmax(const T* __restrict__ values, int V, 
     constexpr int PER_LOAD = 16 / sizeof(T), CHUNKS = 4;
     best = -TL_INF;
     best_index = 0x7fffffff;
-    auto visit = [&](int i, T raw) {  // each thread visits its indices in increasing order
+    auto visit = [&](int i, T raw) {  // any visiting order: better() breaks ties by index
         const float v = score(i, to_float(raw));
         if (better(v, i, best, best_index)) {
             best = v;

@@ -40,6 +40,12 @@ def _quant_layer(out_features, in_features, fmt, seed=0, bias=False):
     return layer.cuda()
 
 
+def _quant_embedding(rows, dim, fmt, dtype, seed=0):
+    table = QuantEmbedding(rows, dim, fmt)
+    table.load_packed(quantize_rtn(torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)), fmt))
+    return table.cuda().to(dtype)
+
+
 def _relative_error(actual, expected):
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
 
@@ -261,9 +267,7 @@ def test_packed_embedding_lookup_is_the_reference_lookup(bits, group, symmetric,
     """dequantize_rows: bit for bit the reference lookup (fp32 (q - z) * s, rounded once), repeated ids included,
     eagerly and replayed in a CUDA graph."""
     fmt = QuantFormat(bits=bits, group_size=group, symmetric=symmetric)
-    table = QuantEmbedding(301, 320, fmt)
-    table.load_packed(quantize_rtn(torch.randn(301, 320, generator=torch.Generator().manual_seed(bits)), fmt))
-    table = table.cuda().to(dtype)
+    table = _quant_embedding(301, 320, fmt, dtype, seed=bits)
     ids = torch.tensor([[0, 300, 7], [7, 150, 299]], device="cuda")
     want = dequantize(table.packed(), fmt)[ids].to(dtype)
     assert torch.equal(get_op("quant_embedding", REFERENCE)(ids, table), want)
@@ -280,9 +284,7 @@ def test_packed_embedding_lookup_is_the_reference_lookup(bits, group, symmetric,
 def test_packed_embedding_lookup_of_a_long_prompt():
     """More ids than a grid's y dimension allows (65,535: batch 16 x 8,192 prompt tokens is 131,072)."""
     fmt = QuantFormat(bits=8, group_size=None)
-    table = QuantEmbedding(301, 64, fmt)
-    table.load_packed(quantize_rtn(torch.randn(301, 64, generator=torch.Generator().manual_seed(0)), fmt))
-    table = table.cuda().to(torch.bfloat16)
+    table = _quant_embedding(301, 64, fmt, torch.bfloat16)
     ids = torch.randint(0, 301, (2, 70000), generator=torch.Generator().manual_seed(1)).cuda()
     got = get_op("quant_embedding", "cuda")(ids, table)
     assert torch.equal(got, dequantize(table.packed(), fmt)[ids].to(torch.bfloat16))
