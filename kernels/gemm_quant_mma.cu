@@ -156,21 +156,7 @@ __device__ __forceinline__ void mma_step(const RowFragments<BITS, T, POST_SCALE>
 // rotate_half; 2p, 2p + 1 interleaved), so each lane holds both dims of its pairs; rotated q goes to q_out
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
 // kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
-// 16 bytes of global memory at src into shared memory at dst, asynchronously (cp.async, L1-cached: the CTAs of an SM
-// read the same activations); zeros instead when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-// XRING (0 or 2): each warp's activations of its next steps are copied into a ring of XRING steps in dynamic shared
-// memory with cp.async ([WARPS][XRING][NT][XV][32] x 16 bytes; each lane copies and reads back only its own pieces,
-// so no barrier is needed), so a step's x loads are in flight during the step before it without holding registers;
-// 0: each step loads its x from global memory when it starts.
-template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE, int XRING = 0>
+template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, bool ROPE>
 __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
@@ -221,52 +207,19 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
     };
     if (k_warp * 16 < words) load_step(k_warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
-    // XRING: the lane's pieces of step `first`'s x into ring slot `slot` (one commit group per step, empty past K).
-    extern __shared__ uint4 x_ring[];
-    auto copy_x = [&](int first, int slot) {
-        const int first_word = first + 4 * t;
-        if (first < words) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int token = 8 * nt + g;
-                const bool valid = first_word < words && token < M;
-                const uint4* src = reinterpret_cast<const uint4*>(
-                    x + (valid ? static_cast<long long>(token) * ldx + first_word * cpw : 0));
-#pragma unroll
-                for (int v = 0; v < XV; ++v)
-                    cp_async16(x_ring + (((warp * XRING + slot) * NT + nt) * XV + v) * 32 + lane, src + (valid ? v : 0),
-                               valid);
-            }
-        }
-        cp_async_commit();
-    };
-    if constexpr (XRING > 0) {
-#pragma unroll
-        for (int s = 0; s < XRING; ++s) copy_x(k_warp * 16 + s * 16 * K_WARPS, s);
-    }
-    int step_index = 0;
-    for (int first = k_warp * 16; first < words; first += 16 * K_WARPS, ++step_index) {
+    for (int first = k_warp * 16; first < words; first += 16 * K_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
         const RowChunk lo = next_lo, hi = next_hi;
         if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
         uint4 xv[NT][XV];
-        if constexpr (XRING > 0) {
-            cp_async_wait<XRING - 1>();  // this step's group (the ring's oldest) has landed
-            const uint4* slot = x_ring + (warp * XRING + step_index % XRING) * NT * XV * 32;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt) {
+            const int token = 8 * nt + g;
+            const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(token) * ldx +
+                                                              first_word * cpw);
 #pragma unroll
-                for (int v = 0; v < XV; ++v) xv[nt][v] = slot[(nt * XV + v) * 32 + lane];
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int token = 8 * nt + g;
-                const uint4* src = reinterpret_cast<const uint4*>(x + static_cast<long long>(token) * ldx +
-                                                                  first_word * cpw);
-#pragma unroll
-                for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
-            }
+            for (int v = 0; v < XV; ++v) xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
         }
         const RowFragments<BITS, T, POST_SCALE> flo(lo, first_word, group_shift, scale_is_bf16),
             fhi(hi, first_word, group_shift, scale_is_bf16);
@@ -291,9 +244,6 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_mma(
         } else {
             mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, acc);
         }
-        // The slot just read gets the step XRING ahead, issued after the math that consumed its values (no ordering
-        // between this thread's shared loads and its later cp.async writes is assumed).
-        if constexpr (XRING > 0) copy_x(first + XRING * 16 * K_WARPS, step_index % XRING);
     }
     // Sum the warps' partial products per matrix: [warp][n-tile][c][lane], conflict-free by lane.
     __shared__ float partial[WARPS][NT][4][32];

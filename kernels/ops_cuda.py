@@ -64,9 +64,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "dequantize.cu": [f"{name}<{b}, {t}>" for name in ("dequantize_weights", "dequantize_rows") for b in (2, 3, 4, 8)
                           for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}, {mma_x_ring(b, nt)}>"
-                              for b in MMA_BITS for t in types for nt in ((1, 2) if full else (2,))
-                              for sw in ("true", "false") for post in ("true", "false") for w in MMA_WARPS
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
+                              for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
+                              for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
@@ -120,8 +120,8 @@ class _GemvPlan:
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
-    # The tensor-core kernel: n-tiles (1, 2) -> (name with a {rope} field, CTAs, threads, dynamic shared bytes).
-    mma_launches: dict[int, tuple[str, int, int, int]] | None
+    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
+    mma_launches: dict[int, tuple[str, int, int]] | None
 
 
 _GEMV_TENSORS = ("qweight", "qweight_high", "scales", "zeros", "bias")  # per matrix, in kernel argument order
@@ -180,31 +180,6 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
 
-# Steps of activations each warp of the tensor-core kernel keeps in flight in shared memory (cp.async), 0: loaded from
-# global memory as each step starts. A/B switch (ablate_decode --mma-x-ring).
-MMA_X_RING = 2
-# The most ring bytes per warp: 8 KiB keeps 3 CTAs of 8 warps per SM (64 KiB each, INT4 / INT8 at 16 tokens).
-_MMA_RING_WARP_LIMIT = 8 * 1024
-
-
-def mma_ring_step_bytes(bits: int, n_tiles: int) -> int:
-    """Shared bytes of one warp's activations for one K step of the tensor-core kernel: 8 tokens per n-tile, 32 lanes,
-    each lane 4 words of columns (16-byte pieces of 8 bf16/fp16 values)."""
-    columns_per_word = 32 // (2 if bits == 3 else bits)
-    return n_tiles * 32 * (columns_per_word // 2) * 16
-
-
-def mma_x_ring(bits: int, n_tiles: int) -> int:
-    """The ring depth (template argument XRING) of a tensor-core launch: MMA_X_RING where its shared memory fits."""
-    return MMA_X_RING if MMA_X_RING * mma_ring_step_bytes(bits, n_tiles) <= _MMA_RING_WARP_LIMIT else 0
-
-
-def _with_dynamic_shared(fn: Any, shared: int) -> Any:
-    """``fn`` allowed ``shared`` bytes of dynamic shared memory (past 48 KiB a kernel must opt in)."""
-    if shared > 48 * 1024 and fn.max_dynamic_shared_size_bytes < shared:
-        fn.max_dynamic_shared_size_bytes = shared
-    return fn
-
 
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
@@ -241,11 +216,8 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
-        mma_launches = {}
-        for nt in (1, 2):
-            ring = mma_x_ring(fmt.bits, nt)
-            name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {nt}, {flag}, {post}, {warps}, {{rope}}, {ring}>"
-            mma_launches[nt] = (name, ctas, 32 * warps, ring * mma_ring_step_bytes(fmt.bits, nt) * warps)
+        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
+        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
@@ -284,10 +256,11 @@ def _gemv(
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
-            name, ctas, threads, shared = plan.mma_launches[1 if chunk <= 8 else 2]
-            fn = kernel("gemm_quant_mma.cu", name.format(rope="true" if with_rope else "false"))
+            name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
+            if with_rope:
+                name = name.replace(", false>", ", true>")
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
-            launch(_with_dynamic_shared(fn, shared), (ctas,), (threads,), args, shared_mem=shared, dependent=True)
+            launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
         chunk = min(8, rows - start)

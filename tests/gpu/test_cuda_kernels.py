@@ -125,35 +125,6 @@ def test_fused_qkv_and_swiglu(dtype, mma_warps, monkeypatch):
         assert _relative_error(swiglu, expected) <= 1e-2, rows
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("mma_warps", MMA_WARPS)
-def test_tensor_core_activation_ring_changes_no_bit(bits, mma_warps, monkeypatch):
-    """The tensor-core GEMM with each warp's next activations copied into a shared-memory ring (ops_cuda.MMA_X_RING)
-    gives the kernel with global activation loads bit for bit: three matrices, SwiGLU, K with a partial last step,
-    1 and 2 n-tiles, rows past 16. INT2 with 2 n-tiles needs more than the ring's shared-memory budget: it stays on
-    global loads, and its launches say so by name."""
-    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
-    names, compile_kernel = [], ops_cuda.kernel
-    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or compile_kernel(file, name))
-    fmt = QuantFormat(bits=bits, group_size=32)
-    for K in (256, 576, 5632):
-        qkv = [_quant_layer(n, K, fmt, seed=n, bias=n == 32).to(torch.bfloat16) for n in (64, 32, 48)]
-        gate, up = (_quant_layer(80, K, fmt, seed=s).to(torch.bfloat16) for s in (1, 2))
-        xs = [torch.randn(rows, K, device="cuda", dtype=torch.bfloat16) for rows in (2, 9, 16, 20)]
-        outputs = {}
-        for ring in (0, 2):
-            monkeypatch.setattr(ops_cuda, "MMA_X_RING", ring)
-            for layer in (*qkv, gate, up):
-                layer.__dict__.pop("_gemv_plans", None)  # plans keep the ring depth they were built with
-            outputs[ring] = [ops_cuda.project(x, qkv) for x in xs] + [ops_cuda.project(x, [gate, up], True) for x in xs]
-        assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[2], strict=True)), K
-    mma = [name for name in names if name.startswith("gemm_quant_mma")]
-    launched = {tuple(name[name.index("<") + 1 : -1].split(", ")) for name in mma}
-    # Template arguments: 2 the n-tiles, 7 the ring depth. INT2's 2-tile ring would take 16 KiB per warp (budget 8).
-    rings = {(args[2], args[7]) for args in launched}
-    assert rings == ({("1", "0"), ("1", "2"), ("2", "0")} if bits == 2 else {(nt, r) for nt in "12" for r in "02"})
-
-
 # Hidden sizes: one vector of 8 per thread (2048; 5280, Huginn's, with a partial warp; 8192 at 1024 threads), and
 # several per thread (20480), past the junction kernel's preloaded first vector.
 @pytest.mark.parametrize("hidden", [2048, 5280, 8192, 20480])

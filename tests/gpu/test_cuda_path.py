@@ -23,14 +23,6 @@ if torch.cuda.is_available():
 IDS = torch.randint(1, 256, (3, 20), generator=torch.Generator().manual_seed(4))
 
 
-def _rope_epilogue(name):
-    """Whether a kernel name is a projection launch with the RoPE epilogue (its ROPE template argument true)."""
-    args = name[name.index("<") + 1 : -1].split(", ") if "<" in name else []
-    if name.startswith("gemm_quant_mma"):
-        return args[6] == "true"  # then XRING
-    return name.startswith("gemv_quant") and args[-1] == "true"
-
-
 def _model(variant, quant=None, dtype=torch.float16, **overrides):
     model = tiny_model(variant, hidden_size=64, intermediate_size=128, **overrides)
     if quant is not None:
@@ -310,7 +302,8 @@ def test_tensor_core_rope_epilogue_equals_the_rope_kernel(variant, rows, kv_cach
         names.clear()
         model = _model(variant, QUANTS["int4-g32"]).use_cuda_path(cuda_graphs=False, kv_cache_dtype=kv_cache_dtype)
         outputs[fused] = model.generate(ids, **kwargs)
-        epilogues = sum(_rope_epilogue(name) for name in names)
+        epilogues = sum(name.startswith(("gemm_quant_mma", "gemv_quant")) and name.endswith(", true>")
+                        for name in names)  # fmt: skip
         assert (epilogues > 0) == fused
         appends[fused] = sum(name.startswith("rope_kv_append") for name in names)
     assert 0 < appends[True] < appends[False]  # with the epilogue only the prompt runs rope_kv_append
