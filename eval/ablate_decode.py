@@ -111,20 +111,6 @@ _ACC4 = """            {  // --variant fused-acc4
                 acc[r] += scale * (f.x + f.y);
             }
 """
-_SLOT_WAIT = """        for (int k = 0; k < W.slot_batches[s]; ++k) {
-            const unsigned b = first + k;
-            mbar_wait(&ring[b % RING], (b / RING) & 1);
-        }
-    };"""
-_SLOT_WAIT_ONE = """        if (ct == 0) {  // --variant fused-slot-one-waiter
-            for (int k = 0; k < W.slot_batches[s]; ++k) {
-                const unsigned b = first + k;
-                mbar_wait(&ring[b % RING], (b / RING) & 1);
-            }
-        }
-        consumers_sync<CONSUMERS>();
-    };"""
-
 # --variant NAME: candidate kernel changes and probes, as patches of the same form (the work kept, unlike WITHOUT's).
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     # The fused kernel's bf16 dots with the 4 words of a 32-column chunk (one quantization group) in one bf16x2 chain
@@ -152,20 +138,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
         ("fused_decode.cu",
          "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
          "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
-    ],
-    # Ready to measure (thirty-first session, not yet run on a GPU). The slot waits (2.3 us per layer application in the
-    # trace, growing ~0.09 us per TMA batch). One suspect: 11 consumer warps each polling every batch's mbarrier (testing
-    # all batches at once from every thread was slower still, twenty-ninth session).
-    # Here one thread waits on the batches and a named barrier releases the others (the TMA writes are visible to
-    # them through that barrier, after the waiter's acquire): one extra barrier per phase ...
-    "fused-slot-one-waiter": [("fused_decode.cu", _SLOT_WAIT, _SLOT_WAIT_ONE)],
-    # ... or none: the waiting thread does its wait before the barrier each phase already has (the staged input's).
-    "fused-slot-wait-before-sync": [
-        ("fused_decode.cu", f"consumers_sync<CONSUMERS>();{note}\n            mark(a, {mark});\n"
-         f"            wait_slot(a, {slot});\n            mark(a, {mark + 1});",
-         f"mark(a, {mark});  // --variant fused-slot-wait-before-sync\n            if (ct == 0) wait_slot(a, {slot});\n"
-         f"            mark(a, {mark + 1});\n            consumers_sync<CONSUMERS>();{note}")
-        for note, mark, slot in (("  // the stage", 1, 0), ("", 6, 1), ("", 9, 2), ("", 12, 3))
     ],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
