@@ -133,19 +133,26 @@ def _layer_tensors(layer: QuantLinear) -> tuple[torch.Tensor | None, ...]:
     return tuple(getattr(layer, name, None) for name in _GEMV_TENSORS)
 
 
+def _packed_pointers(module: PackedModule | None, tensor_names: tuple[str, ...]) -> list:
+    """The pointers of a packed module's ``tensor_names`` (null where missing, or for no module), refusing tensors the
+    low-bit kernels' 32-bit offsets cannot index."""
+    tensors = [None if module is None else getattr(module, name, None) for name in tensor_names]
+    if any(t is not None and t.numel() >= 2**31 for t in tensors):
+        rows, columns = module.packed_dims
+        raise CudaPathUnavailable(
+            f"the low-bit kernels index packed tensors with 32-bit offsets; a {rows}x{columns} layer has 2^31 or more "
+            "packed elements"
+        )
+    return [*map(ptr, tensors)]
+
+
 def _matrix_arguments(layers: list[QuantLinear], tensor_names: tuple[str, ...]) -> list:
     """The per-matrix arguments of a fused launch (up to three matrices; missing ones null): the pointers of
     ``tensor_names`` and the matrix's rows."""
     arguments: list = []
     for index in range(3):
         layer = layers[index] if index < len(layers) else None
-        tensors = [None if layer is None else getattr(layer, name, None) for name in tensor_names]
-        if any(t is not None and t.numel() >= 2**31 for t in tensors):  # the kernels index them with 32-bit offsets
-            raise CudaPathUnavailable(
-                f"the low-bit kernels index packed tensors with 32-bit offsets; a {layer.out_features}x"
-                f"{layer.in_features} layer has 2^31 or more packed elements"
-            )
-        arguments += [*map(ptr, tensors), i32(0 if layer is None else layer.out_features)]
+        arguments += [*_packed_pointers(layer, tensor_names), i32(0 if layer is None else layer.out_features)]
     return arguments
 
 
@@ -326,8 +333,7 @@ def quant_embedding(input_ids: torch.Tensor, table: QuantEmbedding) -> torch.Ten
     ids = input_ids.reshape(-1).to(torch.long).contiguous()
     out = torch.empty(ids.numel(), dim, dtype=table.compute_dtype, device=ids.device)
     if ids.numel():
-        packed = (ptr(getattr(table, name, None)) for name in _PACKED_TENSORS)
-        args = (*packed, ptr(ids), i32(rows), ptr(out), *_format_arguments(table))
+        args = (*_packed_pointers(table, _PACKED_TENSORS), ptr(ids), i32(rows), ptr(out), *_format_arguments(table))
         words = dim // _columns_per_word(fmt)
         name = f"dequantize_rows<{fmt.bits}, {cuda_type(table.compute_dtype)}>"
         launch(kernel("dequantize.cu", name), (ids.numel(), math.ceil(words / 256)), (256,), args)
