@@ -47,7 +47,7 @@ MMA_MIN_ROWS = 2  # token rows from which the tensor-core kernel replaces the CU
 MMA_WARPS = (8, 16)  # warps per CTA of the tensor-core kernel: 16 where 8-warp CTAs would not fill every SM
 MMA_NTILES = (1, 2, 4)  # n-tiles of 8 token rows a tensor-core launch may have (4: INT4 / INT8 only, see below)
 # Token rows per tensor-core launch: 16 (two n-tiles). 32 (four n-tiles; INT4 / INT8, whose words hold at most 8
-# columns: ptxas sm_90 100-116 registers, INT4 SwiGLU 8-12 bytes of spills; INT2 / INT3 would spill 60-940 bytes and
+# columns: ptxas sm_90 100-138 registers, 8-12 bytes of spills in 4 of 48; INT2 / INT3 would spill 60-940 bytes and
 # keep 16) would halve the launches and weight reads of 17-32-row steps and, with GEMV_MAX_ROWS at 64, serve 33-64
 # rows, which now go through dequantize + cuBLAS (H200, Ouro-1.4B shape, batch 64: 12.38 ms per replay; 16-row
 # launches 14.52). Not yet measured on a GPU: ``ablate_decode --mma-launch-rows 32`` sets both.
