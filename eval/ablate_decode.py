@@ -90,6 +90,19 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     "fused-merge-wait": [("fused_decode.cu",
                           "const uint2* pi = P.part_ll + (static_cast<long long>(h * S + i) * Gq + g) * (D + 2);",
                           "const uint2* pi = P.part_ll + (static_cast<long long>(h * S) * Gq + g) * (D + 2);")],
+    # Paged decode (the batch-16 path: one CTA per row and KV head): its later token-loop steps without their K/V loads
+    # (every step computes on the first step's registers, loaded before pdl_wait), or its attention math replaced by a
+    # fold of the loaded words: what the loads after pdl_wait and the math add to its ~10 us per layer application.
+    "paged-later-loads": [("paged_attention.cu",
+                           "        if (base > 0) {  // the first step's loads were issued before the wait",
+                           "        if (false) {  // --without paged-later-loads")],
+    "paged-math": [("paged_attention.cu",
+                    "        if (full) token_step(base, true);\n        else token_step(base, false);",
+                    "        {  // --without paged-math\n            unsigned f = 0u;\n"
+                    "            _Pragma(\"unroll\") for (int u = 0; u < UNROLL; ++u)\n"
+                    "                f ^= k_raw[u].bits.x ^ k_raw[u].bits.y ^ k_raw[u].bits.z ^ k_raw[u].bits.w ^\n"
+                    "                     v_raw[u].bits.x ^ v_raw[u].bits.y ^ v_raw[u].bits.z ^ v_raw[u].bits.w;\n"
+                    "            acc[0][0] += __uint_as_float(f & 0x007fffffu);\n        }")],
 }  # fmt: skip
 
 

@@ -108,6 +108,8 @@ _ABLATED_KERNELS = {
     "gemm_quant_mma.cu": ["gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>",
                           "gemm_quant_mma<2, __half, 1, true, false, 16, false>"],
     "fused_decode.cu": ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"],
+    "paged_attention.cu": ["paged_decode<__nv_bfloat16, 0, 1, 1, 128, 256, 4>",
+                           "paged_decode<__half, 1, 8, 8, 64, 128, 4>"],
 }  # fmt: skip
 
 
@@ -120,7 +122,8 @@ def test_the_ablation_patches_match_the_kernel_sources_and_compile(monkeypatch, 
 
     patches = PATCHES[removed]
     monkeypatch.setattr(loader, "source", loader.source)  # restored after the test
-    file = {"mma": "gemm_quant_mma.cu", "fus": "fused_decode.cu"}.get(removed[:3], "gemv_quant.cu")
+    prefixes = {"mma": "gemm_quant_mma.cu", "fus": "fused_decode.cu", "pag": "paged_attention.cu"}
+    file = prefixes.get(removed[:3], "gemv_quant.cu")
     assert {target for target, _, _ in patches} <= {file, "gemv_dot.cuh"}
     unpatched = loader.source(file)
     patch_sources([removed])
