@@ -72,8 +72,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
-                              for t in types for nt in (MMA_NTILES if full else (2,))
-                              if nt < 4 or b in (4, 8)  # INT2 / INT3: 16 rows a launch (see MMA_LAUNCH_ROWS)
+                              for t in types for nt in (mma_ntiles(b) if full else (2,))
                               for sw in ("true", "false") for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
@@ -196,6 +195,12 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
 
 
+def mma_ntiles(bits: int) -> tuple[int, ...]:
+    """The n-tile counts of a format's tensor-core launches (MMA_NTILES): four only where a word holds at most 8
+    columns (INT4 / INT8; see MMA_LAUNCH_ROWS)."""
+    return MMA_NTILES if bits in (4, 8) else MMA_NTILES[:2]
+
+
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
     tensors = [_layer_tensors(layer) for layer in layers]
@@ -232,8 +237,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
         name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
-        ntiles = [nt for nt in MMA_NTILES if nt < 4 or columns_per_word <= 8]  # INT2 / INT3: 16 rows a launch
-        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in ntiles}
+        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in mma_ntiles(fmt.bits)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
