@@ -189,9 +189,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paged-wide", type=int, nargs=2, metavar=("THREADS", "UNROLL"),
                         help="one paged-decode CTA of THREADS per (row, KV head) (ops_cuda.PAGED_WIDE; 0 0: off)")
     parser.add_argument("--paged-wide-max-tokens", type=int, help="ops_cuda.PAGED_WIDE_MAX_TOKENS")
-    parser.add_argument("--mma-launch-rows", type=int, choices=(16, 32),
-                        help="token rows per tensor-core launch (ops_cuda.MMA_LAUNCH_ROWS); 32 also serves up to 64 "
-                             "rows that way (GEMV_MAX_ROWS), not through dequantize + cuBLAS")
     parser.add_argument("--junction-programmatic", action="store_true",
                         help="residual junctions launched programmatically at every batch")
     parser.add_argument("--paged-cluster-programmatic", action="store_true",
@@ -233,9 +230,6 @@ def apply_switches(args: argparse.Namespace) -> None:
         ops_cuda.PAGED_WIDE = tuple(args.paged_wide) if args.paged_wide[0] else None
     if args.paged_wide_max_tokens:
         ops_cuda.PAGED_WIDE_MAX_TOKENS = args.paged_wide_max_tokens
-    if args.mma_launch_rows:
-        ops_cuda.MMA_LAUNCH_ROWS = args.mma_launch_rows
-        ops_cuda.GEMV_MAX_ROWS = 2 * args.mma_launch_rows
     if args.fused_threads:
         fused_decode.THREADS = args.fused_threads
     if args.fused_splits:
@@ -269,7 +263,6 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
         threads, unroll = args.paged_wide
         label += f", paged decode {threads} threads x {unroll}" if threads else ", split paged decode"
     label += f", wide paged decode up to {args.paged_wide_max_tokens} tokens" if args.paged_wide_max_tokens else ""
-    label += f", tensor-core launches of {args.mma_launch_rows} rows" if args.mma_launch_rows else ""
     return label
 
 

@@ -1,5 +1,4 @@
-// Tensor-core low-bit GEMM for a few token rows (8 per n-tile, NT n-tiles: 16 per launch, or 32 at NT = 4 for INT4 /
-// INT8; verify passes, small batches):
+// Tensor-core low-bit GEMM for a few token rows (2-16 per launch: verify passes, small batches):
 // y[m, n] = sum_k x[m, k] * ((q[n, k] - z[n, g]) * s[n, g])  for INT2/3/4/8 weights (layout: quant_layout.cuh).
 //
 // mma.sync m16n8k16 with the weights as the 16-row A operand and the tokens as N (8 per n-tile, NT tiles), so

@@ -45,13 +45,6 @@ _THREADS = 128
 MMA_BITS = (2, 3, 4, 8)  # formats the tensor-core kernel serves
 MMA_MIN_ROWS = 2  # token rows from which the tensor-core kernel replaces the CUDA-core GEMV
 MMA_WARPS = (8, 16)  # warps per CTA of the tensor-core kernel: 16 where 8-warp CTAs would not fill every SM
-MMA_NTILES = (1, 2, 4)  # n-tiles of 8 token rows a tensor-core launch may have (4: INT4 / INT8 only, see below)
-# Token rows per tensor-core launch: 16 (two n-tiles). 32 (four n-tiles; INT4 / INT8, whose words hold at most 8
-# columns: ptxas sm_90 100-138 registers, 8-12 bytes of spills in 4 of 48; INT2 / INT3 would spill 60-940 bytes and
-# keep 16) would halve the launches and weight reads of 17-32-row steps and, with GEMV_MAX_ROWS at 64, serve 33-64
-# rows, which now go through dequantize + cuBLAS (H200, Ouro-1.4B shape, batch 64: 12.38 ms per replay; 16-row
-# launches 14.52). Not yet measured on a GPU: ``ablate_decode --mma-launch-rows 32`` sets both.
-MMA_LAUNCH_ROWS = 16
 _SMEM_LIMIT = 48 * 1024
 _DECODE_UNROLL = 4  # paged_attention.cu: tokens per thread per step of the token loop
 DECODE_CLUSTER = 8  # CTAs per unit of paged-decode splits on sm_90+ (a thread-block cluster, merged in shared memory)
@@ -72,8 +65,8 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                           for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
         "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
-                              for t in types for nt in (mma_ntiles(b) if full else (2,))
-                              for sw in ("true", "false") for post in ("true", "false") for w in MMA_WARPS
+                              for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
+                              for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
@@ -195,12 +188,6 @@ def mma_warps(ctas: int, device: torch.device) -> int:
 MMA_WIDE = True  # A/B switch for mma_warps (eval scripts)
 
 
-def mma_ntiles(bits: int) -> tuple[int, ...]:
-    """The n-tile counts of a format's tensor-core launches (MMA_NTILES): four only where a word holds at most 8
-    columns (INT4 / INT8; see MMA_LAUNCH_ROWS)."""
-    return MMA_NTILES if bits in (4, 8) else MMA_NTILES[:2]
-
-
 def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _GemvPlan:
     owner = layers[0]
     tensors = [_layer_tensors(layer) for layer in layers]
@@ -237,7 +224,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
         name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
-        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in mma_ntiles(fmt.bits)}
+        mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
     return plan
@@ -274,10 +261,9 @@ def _gemv(
                 plan.tail[0], out, *plan.tail)  # fmt: skip
 
     if rows >= MMA_MIN_ROWS and plan.mma_launches is not None and not fused:
-        launch_rows = min(MMA_LAUNCH_ROWS, 8 * max(plan.mma_launches))
-        for start in range(0, rows, launch_rows):
-            chunk = min(launch_rows, rows - start)
-            name, ctas, threads = plan.mma_launches[next(nt for nt in MMA_NTILES if 8 * nt >= chunk)]
+        for start in range(0, rows, 16):
+            chunk = min(16, rows - start)
+            name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
             if with_rope:
                 name = name.replace(", false>", ", true>")
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))

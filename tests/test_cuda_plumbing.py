@@ -245,29 +245,6 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_tensor_core_launches_of_32_rows_where_the_format_allows(launches, monkeypatch, bits):
-    """ops_cuda.MMA_LAUNCH_ROWS = 32 (with GEMV_MAX_ROWS = 64): a 40-row decode step's QKV projection is one launch of
-    four n-tiles (rows 0-31) and one of one (rows 32-39) at INT4; INT2 keeps launches of 16 rows (its 16-column words
-    would spill at four n-tiles)."""
-    monkeypatch.setattr(ops_cuda, "MMA_LAUNCH_ROWS", 32)
-    monkeypatch.setattr(ops_cuda, "GEMV_MAX_ROWS", 64)
-    model = _model("llama", bits)
-    config = model.config
-    cache = PagedTinyLoopCache(config, capacity=64)
-    with torch.no_grad():
-        model(torch.randint(1, 256, (40, 8)), past_key_values=cache, use_cache=True)
-        launches.clear()
-        model(torch.randint(1, 256, (40, 1)), past_key_values=cache, use_cache=True)
-    qkv = [(name, args) for _, name, _, args, _ in launches
-           if name.startswith("gemm_quant_mma") and name.endswith(", true>")]  # fmt: skip
-    per_layer = qkv[: len(qkv) // config.num_hidden_layers]
-    tiles = [int(name.split(", ")[2]) for name, _ in per_layer]
-    assert tiles == ([4, 1] if bits == 4 else [2, 2, 1])
-    starts = [int(rope_arguments(args)[6]) for _, args in per_layer]  # each launch's first row of positions
-    assert [b - starts[0] for b in starts] == ([0, 32 * 4] if bits == 4 else [0, 16 * 4, 32 * 4])
-
-
 @pytest.mark.parametrize("batch", [1, 48])
 def test_paged_decode_is_programmatic_only_in_single_cta_splits(launches, monkeypatch, batch):
     """Paged decode loads its first K/V before pdl_wait; graphs launch it programmatically where its splits are

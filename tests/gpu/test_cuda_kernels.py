@@ -74,45 +74,6 @@ def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shap
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("mma_warps", MMA_WARPS)
-def test_tensor_core_launches_of_32_rows(bits, dtype, mma_warps, monkeypatch):
-    """ops_cuda.MMA_LAUNCH_ROWS = 32 (four n-tiles a launch; INT4 / INT8) with GEMV_MAX_ROWS = 64: 17-64 rows
-    through the tensor-core kernel give what the 16-row launches give, exactly, and match dequantize + matmul; fused
-    QKV equals the separate projections exactly, SwiGLU the unfused one."""
-    monkeypatch.setattr(ops_cuda, "mma_warps", lambda ctas, device: mma_warps)
-    fmt = QuantFormat(bits=bits, group_size=64)
-    layer = _quant_layer(100, 576, fmt, seed=bits, bias=True).to(dtype)
-    q, k, v = (_quant_layer(n, 256, fmt, seed=n).to(dtype) for n in (128, 64, 64))
-    gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
-    weight = layer.dequantized_weight()
-    launches, launch = [], ops_cuda.launch
-
-    def counted(fn, grid, *args, **kwargs):
-        launches.append(grid)
-        return launch(fn, grid, *args, **kwargs)
-
-    monkeypatch.setattr(ops_cuda, "launch", counted)
-    for rows in (17, 32, 40, 64):
-        x = torch.randn(rows, 576, device="cuda", dtype=dtype)
-        x256 = torch.randn(rows, 256, device="cuda", dtype=dtype)
-        monkeypatch.setattr(ops_cuda, "MMA_LAUNCH_ROWS", 16)
-        monkeypatch.setattr(ops_cuda, "GEMV_MAX_ROWS", 64)
-        narrow = ops_cuda.project(x, [layer])
-        monkeypatch.setattr(ops_cuda, "MMA_LAUNCH_ROWS", 32)
-        launches.clear()
-        wide = ops_cuda.project(x, [layer])
-        assert len(launches) == -(-rows // (32 if bits in (4, 8) else 16)), rows  # INT2 / INT3 keep 16 rows
-        assert torch.equal(wide, narrow), rows  # the same sums per row, however many n-tiles a launch has
-        assert _relative_error(wide, x.float() @ weight.T + layer.bias.float()) <= GEMV_TOLERANCE[dtype], rows
-        fused = ops_cuda.project(x256, [q, k, v])
-        assert torch.equal(fused, torch.cat([ops_cuda.project(x256, [m]) for m in (q, k, v)], dim=-1)), rows
-        swiglu = ops_cuda.project(x256, [gate, up], swiglu=True)
-        expected = F.silu(ops_cuda.project(x256, [gate])) * ops_cuda.project(x256, [up])
-        assert _relative_error(swiglu, expected) <= 1e-2, rows
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype):
     fmt = QuantFormat(bits=bits, group_size=64)
     layer = _quant_layer(80, 320, fmt).to(dtype)
