@@ -96,6 +96,12 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     "paged-later-loads": [("paged_attention.cu",
                            "        if (base > 0) {  // the first step's loads were issued before the wait",
                            "        if (false) {  // --without paged-later-loads")],
+    # Its later steps' loads re-reading the first step's tokens (the same instructions; addresses the CTA has just
+    # read, so L1 / L2 hits): what of paged-later-loads' prize is the memory system's. H200: 4.110 ms against 4.306 /
+    # 4.312, paged-later-loads 3.985 (thirty-fourth session).
+    "paged-later-hits": [("paged_attention.cu",
+                          "            if (FULL || i < n) load_token(u, i, page[u]);",
+                          "            if (FULL || i < n) load_token(u, i - base, table[(t0 + i - base) / PAGE]);")],
     "paged-math": [("paged_attention.cu",
                     "        if (full) token_step(base, true);\n        else token_step(base, false);",
                     "        {  // --without paged-math\n            unsigned f = 0u;\n"

@@ -676,9 +676,12 @@ _DECODE_CTAS = 528  # ~4 CTAs per SM of an H100 / H200 (132 SMs)
 # split merge through global memory (partials, fence, counter, the last CTA's merge). H200, Ouro-1.4B shape, INT4,
 # L = 4, batch 16, 192 cached tokens, one graph replay: 4.371 ms with (256, 4) and 4.378 with (256, 8) against 4.594
 # for 3 split CTAs of 128 threads per (row, KV head); paged decode adds 9.6 us per layer application instead of 12.6;
-# tinyloop-bench batch 16: 3,650 tok/s against 3,436.
+# tinyloop-bench batch 16: 3,650 tok/s against 3,436. 8 tokens per thread a step (128 a step: one step fewer from
+# 128 cached tokens on) since the thirty-fourth session: batch 16 at 192 tokens 4.202 / 4.234 ms against 4.293 / 4.300
+# with 4, batch 64 12.141 against 12.367; at 100 tokens (one step either way) 3.958 against 3.927; tinyloop-bench
+# batch 16 3,749.0 / 3,742.3 tok/s against 3,723.6 / 3,728.5.
 # None: split CTAs everywhere. A/B switch for eval scripts (ablate_decode --paged-wide THREADS UNROLL).
-PAGED_WIDE: tuple[int, int] | None = (256, 4)
+PAGED_WIDE: tuple[int, int] | None = (256, 8)
 PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it
 PAGED_WIDE_MIN_CTAS = 132
 # H200, batch 16 at 300 cached tokens: 5.166 ms per replay with one CTA against 5.451 with split CTAs (twenty-eighth
