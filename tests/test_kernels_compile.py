@@ -108,7 +108,7 @@ _ABLATED_KERNELS = {
     "gemm_quant_mma.cu": ["gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, true>",
                           "gemm_quant_mma<2, __half, 1, true, false, 16, false>"],
     "fused_decode.cu": ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"],
-    "paged_attention.cu": ["paged_decode<__nv_bfloat16, 0, 1, 1, 128, 256, 4>",
+    "paged_attention.cu": ["paged_decode<__nv_bfloat16, 0, 1, 1, 128, 256, 8>",  # the default wide shape
                            "paged_decode<__half, 1, 8, 8, 64, 128, 4>"],
 }  # fmt: skip
 
