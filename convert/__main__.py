@@ -92,7 +92,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where quantization and the report run"
     )
     parser.add_argument("--no-parity", action="store_true", help="skip the parity report")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fail before any work (GPTQ may take long) on a text file that is not there or a count below 1."""
+    for flag in ("calib", "eval_text"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).is_file():
+            parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
+    for flag in ("calib_samples", "calib_length", "eval_windows", "num_loops", "max_loops"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    for depth in args.report_depths or []:
+        if depth < 1:
+            parser.error(f"--report-depths must be at least 1, got {depth}")
 
 
 def quantization_config(args: argparse.Namespace) -> TinyLoopQuantConfig | None:
@@ -134,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = _text_settings(args, quantization) if quantization is not None else None
     reference = None
     if quantization is not None:
+        if not args.no_parity:  # the conversion itself, before quantization changes the outputs
+            _parity(model, source)
         calibration = None
         if quantization.method == "gptq":
             calibration = calibration_windows(
@@ -158,8 +177,8 @@ def _run(args: argparse.Namespace) -> int:
         print(
             format_table(rows, f"quality vs unquantized ({quantization.describe()}; {windows.numel()} held-out tokens)")
         )
-    elif not args.no_parity:
-        _parity(model, source)
+    elif quantization is None and not args.no_parity:
+        _parity(model, source)  # the written checkpoint, as loaded back
     return 0
 
 
@@ -192,14 +211,14 @@ def _summary(model: TinyLoopForCausalLM, destination: Path, quantization: TinyLo
 
 
 def _parity(model: TinyLoopForCausalLM, source) -> None:
-    reference = reference_model(source)
+    reference = reference_model(source, model.dtype)
     if reference is None:
         print(
             "parity: no implementation of this format ships with transformers; the package's tests compare "
             "it with recorded reference outputs (tests/test_parity_reference.py)"
         )
     else:
-        print(compare(model, reference).table())
+        print(compare(model.eval(), reference).table())
 
 
 if __name__ == "__main__":

@@ -214,6 +214,15 @@ def convert_model(source: Source, dtype: str | None = None, **overrides: Any) ->
 
 
 def _copy_tokenizer(directory: Path, gguf_file: str | None, destination: Path) -> None:
+    """SRC's tokenizer files into DST, replacing any an earlier conversion into DST left there (a stale tokenizer next
+    to other weights would load without complaint). Nothing to do when SRC is DST."""
+    if directory.resolve() == destination.resolve():
+        return
+    stale = [name for name in TOKENIZER_FILES if (destination / name).exists()]
+    for name in stale:
+        (destination / name).unlink()
+    if stale:
+        print(f"replaced the tokenizer files an earlier conversion left in {destination}: {', '.join(stale)}")
     if gguf_file is not None:
         from transformers import AutoTokenizer
 

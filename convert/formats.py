@@ -37,14 +37,14 @@ def _token_ids(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rope_theta(config: dict[str, Any], format_name: str) -> float:
-    """rope_theta from a v4-style field or a v5 ``rope_parameters`` dict; only plain (unscaled) RoPE converts."""
+    """rope_theta from a v4-style field or a v5 ``rope_parameters`` dict (neither: transformers' default, 10000);
+    only plain (unscaled) RoPE converts."""
     parameters = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
     rope_type = parameters.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     _require(rope_type == "default", f"{format_name}: rope type {rope_type!r} is not supported (only 'default')")
     theta = parameters.get("rope_theta", config.get("rope_theta"))
-    _require(theta is not None, f"{format_name} config has no rope_theta")
-    return float(theta)
+    return 10000.0 if theta is None else float(theta)  # LlamaConfig's and Qwen2Config's default, as transformers reads
 
 
 def _rename_layers(tensors: Tensors, source_prefix: str, target_prefix: str) -> Tensors:

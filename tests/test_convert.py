@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import REFERENCE, byte_tokenizer
@@ -270,3 +271,136 @@ def test_the_converter_quantizes_the_embedding_of_a_tied_model(tmp_path, capsys)
     with torch.no_grad():
         got, want = model(ids).logits, reference(ids).logits
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def _tiny_qwen2(directory: Path, dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """A tiny Qwen2 checkpoint (random weights) as transformers saves it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**{**config, **overrides})).to(dtype).save_pretrained(directory)
+    return directory
+
+
+def _tiny_qwen2_gguf(directory: Path) -> Path:
+    """The tiny Qwen2 as an F32 GGUF file with a BPE tokenizer (what llama.cpp's converter writes, in small)."""
+    import gguf
+    from tokenizers import trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20], trainer=trainer)
+    vocab, merges = tokenizer.get_vocab(), json.loads(tokenizer.to_str())["model"]["merges"]
+    tokens = sorted(vocab, key=vocab.get)
+    model = AutoModelForCausalLM.from_pretrained(_tiny_qwen2(directory / "hf", vocab_size=len(tokens)))
+    config = model.config
+    writer = gguf.GGUFWriter(str(directory / "model.gguf"), "qwen2")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] + [1] * (len(tokens) - 1))
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    per_layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        if name not in names:
+            _, _, layer, *module, kind = name.split(".")
+            names[name] = f"blk.{layer}.{per_layer['.'.join(module)]}.{kind}"
+        writer.add_tensor(names[name], tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return directory
+
+
+def _parity_table(printed: str) -> tuple[str, float, str]:
+    """(title's dtype, max |delta logit|, identical greedy) from the converter's parity report."""
+    lines = printed[printed.index("parity vs transformers") :].splitlines()
+    return lines[0].split("weights in ")[1].split(",")[0], float(lines[2].split()[-1]), lines[3].split()[-1]
+
+
+def test_gguf_cli_conversion_writes_and_reports_parity(tmp_path, capsys):
+    source = _tiny_qwen2_gguf(tmp_path)
+    assert convert_main([str(source), str(tmp_path / "tl"), "--gguf-file", "model.gguf"]) == 0
+    assert _parity_table(capsys.readouterr().out) == ("float32", 0.0, "4/4")
+    assert AutoTokenizer.from_pretrained(tmp_path / "tl").decode([5, 6]) != ""
+
+
+def test_a_bfloat16_conversion_is_compared_with_the_reference_at_the_same_weights(tmp_path, capsys):
+    """The report measures the conversion, not bf16 rounding: both models run in fp32 from the same bf16 weights."""
+    source = _tiny_qwen2(tmp_path / "src")
+    assert convert_main([str(source), str(tmp_path / "tl"), "--dtype", "bfloat16"]) == 0
+    assert _parity_table(capsys.readouterr().out) == ("bfloat16", 0.0, "4/4")
+    assert TinyLoopForCausalLM.from_pretrained(tmp_path / "tl").dtype == torch.bfloat16
+
+
+def test_quantizing_a_llama_family_source_reports_the_conversion_parity_and_keeps_the_dtype(tmp_path, capsys):
+    source = _tiny_qwen2(tmp_path / "src", torch.bfloat16)
+    assert convert_main([str(source), str(tmp_path / "q"), "--bits", "4", "--group-size", "32", "--no-report"]) == 0
+    assert _parity_table(capsys.readouterr().out) == ("bfloat16", 0.0, "4/4")
+    model = TinyLoopForCausalLM.from_pretrained(tmp_path / "q")
+    assert model.model.norm.weight.dtype == torch.bfloat16 and model.model.loop_layers[0].mlp.down_proj.format.bits == 4
+
+
+def test_converting_a_checkpoint_into_itself_rewrites_it(tmp_path):
+    converted = convert_checkpoint(_tiny_qwen2(tmp_path / "src"), tmp_path / "tl")
+    byte_tokenizer().save_pretrained(converted)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        want = TinyLoopForCausalLM.from_pretrained(converted)(ids).logits
+    assert convert_main([str(converted), str(converted), "--dtype", "bfloat16", "--no-parity"]) == 0
+    model = TinyLoopForCausalLM.from_pretrained(converted)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert model.dtype == torch.bfloat16 and (got.float() - want).abs().max() <= 0.05 * want.abs().max()
+    assert AutoTokenizer.from_pretrained(converted).decode([72, 105]) == "Hi"
+
+
+def test_a_tokenizer_left_in_dst_by_an_earlier_conversion_is_removed(tmp_path, capsys):
+    destination = tmp_path / "tl"
+    source = _tiny_qwen2(tmp_path / "src")
+    byte_tokenizer().save_pretrained(source)
+    convert_checkpoint(source, destination)
+    assert (destination / "tokenizer.json").exists()
+    convert_checkpoint(_copy_source("ouro-tiny", tmp_path), destination)  # no tokenizer files
+    assert not any((destination / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    assert "replaced the tokenizer files an earlier conversion left" in capsys.readouterr().out
+
+
+def test_a_llama_config_without_rope_theta_gets_transformers_default(tmp_path):
+    source = _tiny_qwen2(tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    config.pop("rope_parameters", None), config.pop("rope_theta", None)
+    (source / "config.json").write_text(json.dumps(config))
+    assert build_model(read_source(source)).config.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--bits", "4", "--calib", "/nonexistent.txt"], "--calib: no such file"),
+     (["--bits", "4", "--eval-text", "/nonexistent.txt"], "--eval-text: no such file"),
+     (["--bits", "4", "--calib-samples", "0"], "--calib-samples must be at least 1, got 0"),
+     (["--max-loops", "0"], "--max-loops must be at least 1, got 0")],
+)  # fmt: skip
+def test_bad_arguments_fail_before_any_work_naming_the_flag(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as stop:
+        convert_main([str(tmp_path / "missing-src"), str(tmp_path / "dst"), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
