@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from tokenizers import Tokenizer, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
@@ -56,8 +58,50 @@ def test_cli_takes_the_decoding_fields(embedded, capsys):
     assert generate_main(arguments) == 0
     printed = capsys.readouterr().out
     assert "drafts at 1 loops:" in printed and ("\nyes." in printed or "\nno." in printed)
-    with pytest.raises(ValueError, match="early_exit_threshold must be a positive number"):
-        generate_main(["--max-new-tokens", "2", "--loops", "4", "--early-exit", "kl"])
+    assert generate_main(["--max-new-tokens", "2", "--loops", "4", "--early-exit", "kl"]) == 2
+    assert "early_exit_threshold must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [(["--loops", "17"], "num_loops must be an integer in [1, max_loops=16]"),
+     (["--draft-loops", "9"], "draft_loops must be an integer in [1, num_loops=4]"),
+     (["--early-exit-threshold", "0.3"], "early_exit_threshold needs early_exit")],
+)  # fmt: skip
+def test_cli_names_a_bad_field_without_a_traceback(embedded, capsys, arguments, message):
+    assert generate_main(["--max-new-tokens", "2", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_on_a_checkpoint_without_tokenizer_says_so(tmp_path, capsys):
+    shutil.copytree(embedded_model_path(), tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "model" / name).unlink()
+    assert generate_main(["--model", str(tmp_path / "model"), "--max-new-tokens", "2"]) == 2
+    assert "has no tokenizer files" in capsys.readouterr().err
+
+
+def test_cli_chat_prompt_starts_with_one_bos(tmp_path, monkeypatch):
+    """A tokenizer that prepends BOS and a template that writes it (Llama style): the prompt keeps one BOS."""
+    directory = tmp_path / "model"
+    shutil.copytree(embedded_model_path(), directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos = tokenizer.token_to_id("<|endoftext|>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                             special_tokens=[("<|endoftext|>", bos)])  # fmt: skip
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|endoftext|>", chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                  "{% endfor %}")  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = []
+    generate = TinyLoopForCausalLM.generate
+    monkeypatch.setattr(TinyLoopForCausalLM, "generate",
+                        lambda self, **kw: prompts.append(kw["input_ids"][0].tolist()) or generate(self, **kw))  # fmt: skip
+    arguments = ["--model", str(directory), "--loops", "1", "--max-new-tokens", "1", "--prompt", "To be"]
+    assert generate_main(arguments) == 0 and generate_main([*arguments, "--chat"]) == 0
+    plain, chat = prompts
+    assert plain[0] == bos and plain[1] != bos and chat == plain
 
 
 def test_quantizing_converter_reports_per_depth(tmp_path, capsys):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -55,15 +57,33 @@ def decoding_fields(args: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as error:  # bad fields and depths, named by generate() / the model
+        print(f"tinyloop-generate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _tokenizer(directory: Any) -> Any:
+    if not any((Path(directory) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(
+            f"{directory} has no tokenizer files (tokenizer.json / tokenizer_config.json): copy the source model's "
+            "tokenizer into it (tinyloop-convert copies it when the source has one)"
+        )
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def _run(args: argparse.Namespace) -> int:
     directory = args.model or embedded_model_path()
+    tokenizer = _tokenizer(directory)
     model = TinyLoopForCausalLM.from_pretrained(directory, dtype=getattr(torch, args.dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(directory)
     prompt = args.prompt
     if args.chat:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-    inputs = tokenizer(prompt, return_tensors="pt")
+    # A chat template writes its own special tokens (BOS): the tokenizer must not add them again.
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not args.chat)
     fields = decoding_fields(args)
     if fields.keys() & {"regex", "choices", "json_schema"}:
         fields["tokenizer"] = tokenizer
