@@ -4,6 +4,7 @@ vocabulary, and regex / json_schema / choices through generate() (greedy, sampli
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import pytest
@@ -70,6 +71,23 @@ def test_json_schema_regex_accepts_valid_and_rejects_invalid_documents():
         assert dfa.fullmatch(text.encode()), text
     for text in invalid:
         assert not dfa.fullmatch(text.encode()), text
+
+
+@pytest.mark.parametrize("pattern", [".{1,12}", "[^a]*", r'(a|"|\\)+', "é[àb]+x", r"[\x00-\x21]+", r'(ab|"c)*', "\n"])
+def test_a_string_pattern_matches_json_escaped_values_only(pattern):
+    """A schema's string ``pattern`` constrains the decoded value; its '"', '\\' and control characters appear escaped,
+    so the text stays JSON: the constraint accepts json.dumps(v) exactly when the pattern matches v."""
+    dfa = ByteDFA(schema_to_regex({"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}))
+    generator = random.Random(0)
+    alphabet = ["a", "b", "c", '"', "\\", "\n", "\x01", "é", "à", "x", " "]
+    matched = 0
+    for _ in range(2000):
+        value = "".join(generator.choice(alphabet) for _ in range(generator.randint(0, 6)))
+        text = json.dumps({"s": value}, ensure_ascii=False, separators=(",", ":"))
+        assert dfa.fullmatch(text.encode()) == bool(re.fullmatch(pattern, value)), (pattern, value)
+        matched += dfa.fullmatch(text.encode())
+    assert matched > 0
+    assert not dfa.fullmatch(b'{"s":"a"b"}') and not dfa.fullmatch(b'{"s":"\n"}'.replace(b"\\n", b"\n"))
 
 
 @pytest.mark.parametrize(

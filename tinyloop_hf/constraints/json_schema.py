@@ -3,7 +3,8 @@
 Supported: type string / integer / number / boolean / null / object / array (or a list of them), enum, const,
 anyOf / oneOf, object properties (in the listed order; ``required`` ones always, others optional after the first
 required one; no additional properties), array ``items`` with minItems / maxItems, string minLength / maxLength /
-pattern. Output is compact JSON with an optional space after ':' and ','. Other keywords ($ref, allOf, not,
+pattern (matched by the whole decoded value; where it allows '"', '\\' or a control character, the output writes
+its JSON escape). Output is compact JSON with an optional space after ':' and ','. Other keywords ($ref, allOf, not,
 patternProperties, if/then, ...) fail with the keyword's name.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .regex_automaton import MAX_REPEAT, literal_pattern
+from .regex_automaton import MAX_REPEAT, json_string_pattern, literal_pattern
 
 _STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
 _INTEGER = r"-?(?:0|[1-9][0-9]*)"
@@ -81,8 +82,8 @@ def _json_literal(value: Any) -> str:
 
 
 def _string(schema: dict, path: str) -> str:
-    if "pattern" in schema:
-        return '"' + schema["pattern"] + '"'
+    if "pattern" in schema:  # the whole value matches it (anchored); '"', '\\' and control characters escaped
+        return '"' + json_string_pattern(schema["pattern"]) + '"'
     low, high = schema.get("minLength", 0), schema.get("maxLength")
     if high is not None and high > MAX_REPEAT:
         raise SchemaError(f"json_schema at {path}: maxLength above {MAX_REPEAT} is not supported")

@@ -234,6 +234,64 @@ def literal_pattern(text: str) -> str:
     return "".join("\\" + char if char in r"\.^$*+?{}[]()|-/" else char for char in text)
 
 
+# -- patterns inside JSON strings -----------------------------------------------------------------------------------
+
+# Characters a JSON string must escape, with their escapes (RFC 8259: '"', '\\' and U+0000-U+001F).
+_JSON_ESCAPES = {ord('"'): '\\"', ord("\\"): "\\\\", 8: "\\b", 12: "\\f", 10: "\\n", 13: "\\r", 9: "\\t"}
+_JSON_ESCAPES |= {byte: f"\\u{byte:04x}" for byte in range(0x20) if byte not in _JSON_ESCAPES}
+
+
+def json_string_pattern(pattern: str) -> str:
+    """A pattern over JSON string *contents* whose matches are the JSON escapes of ``pattern``'s matches: where
+    ``pattern`` allows '"', '\\' or a control character, the output writes its escape (\\", \\\\, \\n, \\u001f ...),
+    so that a JSON schema's ``pattern`` can never close the string early or put a raw control character in it."""
+    return _to_pattern(_json_escaped(_Parser(pattern).parse()))
+
+
+def _json_escaped(node: object) -> object:
+    if isinstance(node, (_Bytes, _AnyChar)):
+        allowed = node.allowed if isinstance(node, _Bytes) else node.ascii
+        special = sorted(allowed & _JSON_ESCAPES.keys())
+        if not special:
+            return node
+        rest = allowed - frozenset(special)
+        kept = _Bytes(rest) if isinstance(node, _Bytes) else _AnyChar(rest, node.non_ascii)
+        escapes = [_Concat(tuple(_Bytes(frozenset({ord(c)})) for c in _JSON_ESCAPES[byte])) for byte in special]
+        options = ([kept] if rest or isinstance(node, _AnyChar) else []) + escapes
+        return options[0] if len(options) == 1 else _Alternation(tuple(options))
+    if isinstance(node, _Concat):
+        return _Concat(tuple(_json_escaped(part) for part in node.parts))
+    if isinstance(node, _Alternation):
+        return _Alternation(tuple(_json_escaped(option) for option in node.options))
+    if isinstance(node, _Repeat):
+        return _Repeat(_json_escaped(node.node), node.low, node.high)
+    raise TypeError(node)
+
+
+def _to_pattern(node: object) -> str:
+    """The syntax tree as pattern text that parses back to it."""
+    if isinstance(node, _Bytes):  # ASCII here: a non-ASCII character's bytes are a _Concat's single bytes
+        return "[" + "".join(f"\\x{byte:02x}" for byte in sorted(node.allowed)) + "]"
+    if isinstance(node, _AnyChar):  # a negated class: the ASCII left out, any non-ASCII character
+        if not node.non_ascii:
+            raise TypeError("an ASCII-only character set has no pattern syntax")
+        return "[^" + "".join(f"\\x{byte:02x}" for byte in sorted(frozenset(_ASCII) - node.ascii)) + "]"
+    if isinstance(node, _Concat):  # runs of single non-ASCII bytes are UTF-8 characters: written as themselves
+        text, run = "", b""
+        for part in (*node.parts, None):
+            if isinstance(part, _Bytes) and len(part.allowed) == 1 and min(part.allowed) >= 0x80:
+                run += bytes(part.allowed)
+                continue
+            text += literal_pattern(run.decode()) if run else ""
+            text, run = text + ("" if part is None else _to_pattern(part)), b""
+        return text
+    if isinstance(node, _Alternation):
+        return "(?:" + "|".join(_to_pattern(option) for option in node.options) + ")"
+    if isinstance(node, _Repeat):
+        return f"(?:{_to_pattern(node.node)}){{{node.low},{'' if node.high is None else node.high}}}"
+    raise TypeError(node)
+
+
 # -- NFA ------------------------------------------------------------------------------------------------------------
 
 
