@@ -85,8 +85,8 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
                          "    v = warp_sum(v);\n    if (red != nullptr) return v * 8.0f;  // --without fused-norm-sums\n"
                          "    float* buffer = red + 32 * (turn & 1);")],
     # Its attention split merge reading only the merging CTA's own split (no wait for the head's other 7 splits): the
-    # prize of the merge's cross-CTA wait (the attention -> O hand-off's 2.2 us producers' skew): 2.283 ms against 2.303 /
-    # 2.300; both probes together 2.252 (thirty-second session).
+    # prize of the merge's cross-CTA wait (the attention -> O hand-off's 2.2 us producers' skew): 2.283 ms against
+    # 2.303 / 2.300; both probes together 2.252 (thirty-second session).
     "fused-merge-wait": [("fused_decode.cu",
                           "const uint2* pi = P.part_ll + (static_cast<long long>(h * S + i) * Gq + g) * (D + 2);",
                           "const uint2* pi = P.part_ll + (static_cast<long long>(h * S) * Gq + g) * (D + 2);")],

@@ -177,6 +177,11 @@ def test_fields_survive_save_and_reload(tmp_path):
         (dict(warmup_tokens=2, warmup_loops=5), r"warmup_loops must be an integer in \[1, num_loops=4\]"),
         (dict(warmup_tokens=-1, warmup_loops=1), "warmup_tokens must be a non-negative integer"),
         (dict(warmup_tokens=2, warmup_loops=1, draft_loops=1), "cannot be combined with draft_loops"),
+        (dict(warmup_tokens=2, warmup_loops=1, use_cache=False), "warmup_tokens / warmup_loops need the KV cache"),
+        (dict(early_exit="kl", early_exit_threshold=0.1, use_cache=False), "early_exit needs the KV cache"),
+        (dict(exit_threshold=1.5), r"exit_threshold must be None or a number in \[0, 1\], got 1.5"),
+        (dict(exit_threshold=True), r"exit_threshold must be None or a number in \[0, 1\], got True"),
+        (dict(exit_at_step=True), r"exit_at_step must be an integer in \[0, num_loops - 1 = 3\], got True"),
     ],
 )
 def test_bad_settings_fail_with_the_field_and_allowed_values(kwargs, match):
@@ -189,8 +194,36 @@ def test_gate_needs_an_exit_gate_and_the_paged_cache_is_refused():
     with pytest.raises(ValueError, match="needs a model with an exit gate"):
         model.generate(IDS[:1], max_new_tokens=2, early_exit="gate", early_exit_threshold=0.5)
     model = _model()
-    with torch.no_grad(), pytest.raises(ValueError, match="not supported on the CUDA path yet"):
+    with torch.no_grad(), pytest.raises(ValueError, match="early_exit needs a TinyLoopCache: a paged cache"):
         model(IDS[:1, :1], past_key_values=PagedTinyLoopCache(model.config), use_cache=True, early_exit="state_delta",
               early_exit_threshold=0.5)  # fmt: skip
     with pytest.raises(ValueError, match="call TinyLoopForCausalLM"):
         model.model(IDS[:1, :1], early_exit="kl", early_exit_threshold=0.5)
+
+
+@pytest.mark.parametrize("criterion, threshold", CRITERIA)
+def test_a_one_token_prompt_runs_every_loop_then_exits_early(criterion, threshold):
+    """A one-token prompt (BOS only, "Hi") is a prompt, not a decode step: it runs every loop, so the tokens after it
+    equal those of the same prompt inside a left-padded batch."""
+    model = _model()
+    prompt = IDS[:1, :1]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, early_exit=criterion,
+                  early_exit_threshold=threshold)  # fmt: skip
+    alone = model.generate(prompt, **kwargs)
+    ids = torch.cat([torch.zeros(1, 4, dtype=torch.long), prompt], dim=1), IDS[1:2, :5]
+    batch, mask = torch.cat(ids), torch.tensor([[0, 0, 0, 0, 1], [1] * 5])
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(alone[0, 1:], together[0, 5:])
+
+
+def test_early_exit_overrides_the_exit_threshold_a_converted_ouro_config_sets():
+    """Ouro checkpoints set config.exit_threshold (the default exit selection); early_exit replaces it, while an
+    exit_threshold passed with early_exit is refused."""
+    model = _model(exit_threshold=1.0)
+    kwargs = dict(max_new_tokens=6, do_sample=False, early_exit="gate", early_exit_threshold=0.6)
+    model.config.exit_threshold = None
+    want = model.generate(IDS[:1], **kwargs)
+    model.config.exit_threshold = 1.0
+    assert torch.equal(model.generate(IDS[:1], **kwargs), want)
+    with pytest.raises(ValueError, match="cannot be combined with exit_threshold"):
+        model.generate(IDS[:1], exit_threshold=0.5, **kwargs)

@@ -96,8 +96,12 @@ def test_cli_chat_prompt_starts_with_one_bos(tmp_path, monkeypatch):
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     prompts = []
     generate = TinyLoopForCausalLM.generate
-    monkeypatch.setattr(TinyLoopForCausalLM, "generate",
-                        lambda self, **kw: prompts.append(kw["input_ids"][0].tolist()) or generate(self, **kw))  # fmt: skip
+
+    def spy(self, **kwargs):
+        prompts.append(kwargs["input_ids"][0].tolist())
+        return generate(self, **kwargs)
+
+    monkeypatch.setattr(TinyLoopForCausalLM, "generate", spy)
     arguments = ["--model", str(directory), "--loops", "1", "--max-new-tokens", "1", "--prompt", "To be"]
     assert generate_main(arguments) == 0 and generate_main([*arguments, "--chat"]) == 0
     plain, chat = prompts

@@ -199,3 +199,11 @@ def test_only_greedy_unconstrained_generate_runs_ahead_on_a_cuda_path(tokenizer)
     assert len(calls) == 1
     del model._cuda_path
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), greedy)  # the stand-in changed nothing
+
+
+def test_generate_from_inputs_embeds_equals_generate_from_ids():
+    model = tiny_model("ouro")
+    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(3))
+    embeds = model.get_input_embeddings()(ids)
+    want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(inputs_embeds=embeds, max_new_tokens=5, do_sample=False), want[:, 7:])

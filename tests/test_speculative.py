@@ -187,6 +187,8 @@ def test_fields_survive_save_and_reload_and_reach_pipeline(tmp_path):
         (dict(draft_loops=1, num_beams=2), "draft_loops needs num_beams=1"),
         (dict(draft_loops=1, num_loops=[3]), "draft_loops needs one num_loops for every row"),
         (dict(draft_loops=1, exit_threshold=0.5), "cannot be combined with exit_threshold"),
+        (dict(draft_loops=1, exit_threshold=0.0), "cannot be combined with exit_threshold"),
+        (dict(draft_loops=1, exit_at_step=0), "cannot be combined with exit_at_step"),
         (dict(draft_loops=1, use_cache=False), "needs the KV cache"),
     ],
 )

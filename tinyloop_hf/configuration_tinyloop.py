@@ -36,6 +36,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_probability(value: Any) -> bool:
+    """A number (not a bool) in [0, 1]: an exit threshold."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value <= 1.0
+
+
 class TinyLoopConfig(PreTrainedConfig):
     r"""Configuration of a looped decoder.
 
@@ -229,7 +234,7 @@ class TinyLoopConfig(PreTrainedConfig):
         if self.exit_threshold is not None:
             _require(self.exit_gate, "exit_threshold", "None when exit_gate is False", self.exit_threshold)
             _require(
-                isinstance(self.exit_threshold, (int, float)) and 0.0 <= self.exit_threshold <= 1.0,
+                is_probability(self.exit_threshold),
                 "exit_threshold",
                 "None or a number in [0, 1]",
                 self.exit_threshold,

@@ -116,6 +116,9 @@ class TinyLoopGenerationMixin(GenerationMixin):
             return None
         if tokens is None or loops is None:
             raise ValueError("a loop schedule needs both warmup_tokens and warmup_loops")
+        if generation_config.use_cache is False:
+            raise ValueError("warmup_tokens / warmup_loops need the KV cache (use_cache=True): a warm-up token's "
+                             "skipped loops reuse its cached K/V, which a forward without a cache would recompute")  # fmt: skip
         if not is_int(tokens) or tokens < 0:
             raise ValueError(f"warmup_tokens must be a non-negative integer, got {tokens!r}")
         if not is_int(full_loops):
@@ -127,11 +130,17 @@ class TinyLoopGenerationMixin(GenerationMixin):
         return {"tokens": tokens, "loops": loops, "prompt_length": None}
 
     def prepare_inputs_for_generation(
-        self, input_ids: torch.LongTensor, *args: Any, loop_schedule: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        input_ids: torch.LongTensor,
+        *args: Any,
+        inputs_embeds: torch.Tensor | None = None,
+        loop_schedule: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> dict[str, Any]:
+        """``inputs_embeds`` is named so that generate() sees forward() takes it (it reads this signature)."""
         for name in ("tokenizer", "assistant_tokenizer"):  # generate() hands these to the decoding loop, not forward
             kwargs.pop(name, None)
-        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
         if loop_schedule is not None:
             if loop_schedule["prompt_length"] is None:
                 loop_schedule["prompt_length"] = input_ids.shape[1]

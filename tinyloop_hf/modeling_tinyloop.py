@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import CACHE_OUTPUT_FIELD, graph_capturing
-from .configuration_tinyloop import TinyLoopConfig, is_int
+from .configuration_tinyloop import TinyLoopConfig, is_int, is_probability
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import EarlyExit, exit_distribution, select_states, threshold_exit_steps
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
@@ -421,11 +421,14 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
 
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
-        threshold = exit_threshold if exit_threshold is not None else self.config.exit_threshold
+        if exit_threshold is not None and not is_probability(exit_threshold):
+            raise ValueError(f"exit_threshold must be None or a number in [0, 1], got {exit_threshold!r}")
+        # early_exit replaces the config's default exit selection (an exit_threshold passed with it is refused).
+        threshold = exit_threshold if early_exit is not None else _first_set(exit_threshold, self.config.exit_threshold)
         if threshold is not None and not self.config.exit_gate:
             raise ValueError("exit_threshold needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
         keep_states = bool(output_hidden_states) or exit_at_step is not None or threshold is not None
-        rule = self._early_exit_rule(early_exit, early_exit_threshold, threshold, exit_at_step, cache, length)
+        rule = self._early_exit_rule(early_exit, early_exit_threshold, threshold, exit_at_step, cache, length, past)
         fused = None
         if loops_per_row is None and not keep_states and rule is None:
             fused = self._fused_decode(hidden, context, total_loops)
@@ -547,9 +550,17 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         return self.norm(x) if self.config.final_norm == "every_loop" else x
 
     def _early_exit_rule(
-        self, early_exit: Any, threshold: Any, exit_threshold: Any, exit_at_step: Any, cache: Any, length: int
+        self,
+        early_exit: Any,
+        threshold: Any,
+        exit_threshold: Any,
+        exit_at_step: Any,
+        cache: Any,
+        length: int,
+        past: int,
     ) -> EarlyExit | None:
-        """The rule of a decode step (one token per row); prompts run every loop."""
+        """The rule of a decode step (one token per row after cached ones); prompts, a one-token prompt too, run every
+        loop."""
         if early_exit is None:
             if threshold is not None:
                 raise ValueError("early_exit_threshold needs early_exit (one of 'gate', 'state_delta', 'kl')")
@@ -557,14 +568,18 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         rule = (
             early_exit if isinstance(early_exit, EarlyExit) else EarlyExit(early_exit, threshold, self.config.exit_gate)
         )
-        if length != 1:
+        if cache is None:
+            raise ValueError("early_exit needs the KV cache (use_cache=True): the loops a token skips reuse its "
+                             "cached K/V, which a forward without a cache would recompute at full depth")  # fmt: skip
+        if not cache.supports_row_subsets:
+            raise ValueError("early_exit needs a TinyLoopCache: a paged cache (the CUDA path's, or "
+                             "PagedTinyLoopCache) runs every row through every loop; on the CUDA path, use the "
+                             "reference path (model.use_reference_path())")  # fmt: skip
+        if length != 1 or past == 0:
             return None
-        if exit_threshold is not None or exit_at_step is not None:
+        if exit_threshold is not None or exit_at_step is not None:  # (a loop schedule's prompt step reads a loop)
             raise ValueError("early_exit stops loops per token; it cannot be combined with exit_threshold (which "
                              "computes every loop and selects a state) or exit_at_step")  # fmt: skip
-        if cache is not None and not cache.supports_row_subsets:
-            raise ValueError("early_exit is not supported on the CUDA path yet (its paged cache runs every row "
-                             "through every loop); use the reference path (model.use_reference_path())")  # fmt: skip
         return rule
 
     def resume(
@@ -884,11 +899,15 @@ def _resolve_loops(
     return max(values), torch.tensor(values, device=device)
 
 
+def _first_set(*values: Any) -> Any:
+    return next((value for value in values if value is not None), None)
+
+
 def _check_exit_step(exit_at_step: int | None, total_loops: int, loops_per_row: torch.Tensor | None) -> int | None:
     if exit_at_step is None:
         return None
     shallowest = total_loops if loops_per_row is None else int(loops_per_row.min())
-    if not isinstance(exit_at_step, int) or not 0 <= exit_at_step < shallowest:
+    if not is_int(exit_at_step) or not 0 <= exit_at_step < shallowest:
         raise ValueError(
             f"exit_at_step must be an integer in [0, num_loops - 1 = {shallowest - 1}], got {exit_at_step!r}"
         )

@@ -208,7 +208,8 @@ def _check_model_kwargs(model: Any, cache: Any, model_kwargs: dict[str, Any]) ->
     if not isinstance(cache, TinyLoopCache):
         raise ValueError("draft_loops needs the KV cache (use_cache=True): drafts and verifier share it")
     for name in ("exit_threshold", "exit_at_step", "use_weighted_exit", "early_exit"):
-        if model_kwargs.get(name):
+        value = model_kwargs.get(name)
+        if value is not None and value is not False:  # exit_at_step=0 and exit_threshold=0.0 are requests too
             raise ValueError(f"draft_loops verifies at a fixed depth and cannot be combined with {name}")
     if model.config.exit_threshold is not None:
         raise ValueError(

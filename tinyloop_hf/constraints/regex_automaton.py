@@ -271,6 +271,9 @@ def _json_escaped(node: object) -> object:
 def _to_pattern(node: object) -> str:
     """The syntax tree as pattern text that parses back to it."""
     if isinstance(node, _Bytes):  # ASCII here: a non-ASCII character's bytes are a _Concat's single bytes
+        (byte, *others) = sorted(node.allowed)
+        if not others and 0x20 < byte < 0x7F:
+            return literal_pattern(chr(byte))
         return "[" + "".join(f"\\x{byte:02x}" for byte in sorted(node.allowed)) + "]"
     if isinstance(node, _AnyChar):  # a negated class: the ASCII left out, any non-ASCII character
         if not node.non_ascii:
