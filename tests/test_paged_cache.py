@@ -34,6 +34,45 @@ def test_paged_cache_equals_plain_cache(variant):
     assert cache.bytes_per_token() == slots * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
 
 
+def test_a_growing_cache_doubles_its_storage_instead_of_copying_at_every_token(monkeypatch):
+    model = tiny_model("ouro", max_position_embeddings=256)
+    cache = PagedTinyLoopCache(model.config, capacity=8)
+    capacities = []
+    allocate = PagedTinyLoopCache._allocate
+    monkeypatch.setattr(PagedTinyLoopCache, "_allocate",
+                        lambda self, batch, capacity, *args: capacities.append(capacity) or allocate(self, batch,
+                                                                                                    capacity, *args))  # fmt: skip
+    ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(_decode(model, cache, ids, 5), _decode(model, TinyLoopCache(model.config), ids, 5))
+    assert capacities == [8, 16, 32, 64, 128]
+    cache.reserve(1, 200, torch.float32, torch.device("cpu"))  # never past the model's positions
+    assert capacities[-1] == 256
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_per_row_depths_that_change_between_steps_keep_the_skipped_loops_policy(kv_dtype):
+    """Every row runs every loop on the paged cache; a row's slots past its depth must still take its last computed
+    loop's K/V, as on the plain cache: row 0's logits do not depend on the deeper row beside it."""
+    model = tiny_model("ouro", num_loops=4)
+    depths = [1, 4, 2, 4, 3, 4, 1, 4]
+
+    def row0(cache, batched):
+        ids = IDS[:, :13] if batched else IDS[:1, :13]
+        logits = []
+        with torch.no_grad():
+            model(ids[:, :5], past_key_values=cache, use_cache=True)
+            for step, t in enumerate(range(5, 13)):
+                loops = [depths[step], 4] if batched else depths[step]
+                logits.append(model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, num_loops=loops).logits)
+        return torch.cat(logits, 1)[0]
+
+    paged = row0(PagedTinyLoopCache(model.config, kv_dtype=kv_dtype), True)
+    alone = row0(PagedTinyLoopCache(model.config, kv_dtype=kv_dtype), False)
+    torch.testing.assert_close(paged, alone, rtol=1e-5, atol=1e-5)  # batched matmuls round apart (the bug: ~2.6)
+    if kv_dtype == "auto":
+        assert torch.equal(paged, row0(TinyLoopCache(model.config), True))
+
+
 def test_a_decode_step_begun_for_device_metadata_matches_begin_step():
     """begin_decode_step (CUDA-path run-ahead writes the metadata in its own kernel) leaves the cache as begin_step
     does once its buffers hold length + 1 and length; a cache without tokens is refused."""

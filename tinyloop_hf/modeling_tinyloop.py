@@ -533,10 +533,12 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                 last_loop = torch.where(stop & running, torch.full_like(last_loop, loop), last_loop)
                 running = running & ~stop
                 previous = state
+        if cache is not None and not subsets and loops_per_row is not None:
+            cache.fill_row_depths(loops_per_row, first_loop, total_loops)  # every row ran every loop of the step
         if cache is not None and (adaptive or cache.loops_cached() > total_loops):
             if subsets:
                 cache.fill_skipped_loops(last_loop, first_loop, total_loops, context.past_length, loop_input.shape[1])
-            else:  # every row ran every loop of the step: the deeper slots take the last one's K/V
+            else:  # the deeper slots take the step's last loop's K/V (each row's own last, filled above)
                 cache.fill_deeper_slots(total_loops - 1)
         return state, states, gates, last_loop + 1 if adaptive else None
 

@@ -143,6 +143,7 @@ class PagedTinyLoopCache(TinyLoopCache):
         super().__init__(config)
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.capacity = capacity
+        self.max_positions = config.max_position_embeddings
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.storage: PagedStorage | None = None
         self._provider = storage_provider or PagedStorage
@@ -188,9 +189,16 @@ class PagedTinyLoopCache(TinyLoopCache):
         return self.storage.lengths, self.step_positions
 
     def reserve(self, batch: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Storage for ``batch`` rows of at least ``tokens`` tokens (allocated, or grown keeping the contents)."""
-        if self.storage is None or self.storage.batch != batch or tokens > self.storage.capacity:
-            self._allocate(batch, max(tokens, self.capacity), dtype, device)
+        """Storage for ``batch`` rows of at least ``tokens`` tokens (allocated, or grown keeping the contents: to
+        twice its size, up to the model's positions, so that a long generation copies its pages a few times, not at
+        every token)."""
+        storage = self.storage
+        if storage is not None and storage.batch == batch and tokens <= storage.capacity:
+            return
+        capacity = max(tokens, self.capacity)
+        if storage is not None and storage.batch == batch:
+            capacity = max(tokens, min(2 * storage.capacity, self.max_positions))
+        self._allocate(batch, capacity, dtype, device)
 
     def _set_starts(self, attention_mask: torch.Tensor | None) -> None:
         """First attended position of each row (set by the prompt); only left padding can be expressed (checked)."""
@@ -335,6 +343,25 @@ class PagedTinyLoopCache(TinyLoopCache):
                 self.mark_written(target)
                 for source_pages, target_pages in zip(source, storage.slot(target), strict=True):
                     target_pages[blocks, :, rows] = source_pages[blocks, :, rows]
+
+    def fill_row_depths(self, loops_per_row: torch.Tensor, first_loop: int, total_loops: int) -> None:
+        """KV policy of per-row depths on this cache, where every row ran every loop of the step (rows past their
+        depth discarding the state): the step's positions in the slots of loops at or past a row's depth take its
+        last computed loop's K/V, as TinyLoopCache.fill_skipped_loops does. Masked copies on the device, loop by
+        loop (slot loop - 1 already holds the row's last loop's K/V), so a captured graph replays them."""
+        storage = self.storage
+        positions = self.step_positions.view(storage.batch, -1).long()  # [B, S] cache positions of the step
+        blocks = storage.block_table.gather(1, positions // PAGE_SIZE).long()
+        rows = positions % PAGE_SIZE
+        for loop in range(max(first_loop, 1), total_loops):
+            skipped = loops_per_row <= loop  # [B]
+            for layer in range(self.num_loop_layers):
+                source = storage.slot(self.slot_index("loop", layer, loop - 1))
+                target = storage.slot(self.slot_index("loop", layer, loop))
+                for source_pages, target_pages in zip(source, target, strict=True):
+                    kept = target_pages[blocks, :, rows]  # [B, S, heads, ...]
+                    mask = skipped.view(-1, *[1] * (kept.dim() - 1))
+                    target_pages[blocks, :, rows] = torch.where(mask, source_pages[blocks, :, rows], kept)
 
     def prepare_resume(self, new_tokens: int) -> None:
         """The paged form of TinyLoopCache.prepare_resume: one length serves every slot, so the cache steps back
