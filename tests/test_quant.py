@@ -193,6 +193,12 @@ def test_packed_tensor_of_the_wrong_shape_fails_clearly(tmp_path):
         ("bits", 5, r"quantization_config.bits must be one of \[2, 3, 4, 8, 16\], got 5"),
         ("group_size", 48, r"group_size must be one of \[32, 64, 128, None\]"),
         ("scale_dtype", "float32", r"scale_dtype must be one of \['bfloat16', 'float16'\]"),
+        ("bits", 4.0, r"quantization_config.bits must be one of \[2, 3, 4, 8, 16\], got 4.0"),
+        ("bits", True, r"quantization_config.bits must be one of \[2, 3, 4, 8, 16\], got True"),
+        ("group_size", 32.0, r"group_size must be one of \[32, 64, 128, None\] \(None = .*\), got 32.0"),
+        ("symmetric", "false", "symmetric must be true or false, got 'false'"),
+        ("components", {"loop": None}, "components.loop must be a dict of format fields"),
+        ("components", {"loop": {"bits": 4.0}}, r"components.loop.bits must be one of \[2, 3, 4, 8, 16\], got 4.0"),
     ],
 )
 def test_unsupported_format_in_a_checkpoint_fails_clearly(field, value, message, tmp_path):

@@ -37,6 +37,10 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128, None)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class QuantFormat:
     bits: int
@@ -45,13 +49,16 @@ class QuantFormat:
     scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
+        # Types first: 4.0 == 4 and "false" is truthy, so a membership test alone would let them through.
+        if not _is_int(self.bits) or self.bits not in SUPPORTED_BITS:
             raise ValueError(f"quantization bits must be one of {list(SUPPORTED_BITS)}, got {self.bits!r}")
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
+        if not (self.group_size is None or _is_int(self.group_size)) or self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(
                 f"quantization group_size must be one of {list(SUPPORTED_GROUP_SIZES)} (None = per output channel), "
                 f"got {self.group_size!r}"
             )
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"quantization symmetric must be true or false, got {self.symmetric!r}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(
                 f"quantization scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {self.scale_dtype!r}"

@@ -58,6 +58,10 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
     ) -> None:
         self.quant_method = QUANT_METHOD
         self.bits, self.group_size, self.symmetric, self.scale_dtype = bits, group_size, symmetric, scale_dtype
+        for name, value in (components or {}).items():
+            if not isinstance(value, dict):
+                raise ValueError(f"quantization_config.components.{name} must be a dict of format fields (bits, "
+                                 f"group_size, symmetric, scale_dtype), got {value!r}")  # fmt: skip
         self.components = {name: dict(value) for name, value in (components or {}).items()}
         self.method = method
         unknown = set(kwargs) - {"quant_method"}
@@ -66,7 +70,7 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
         self.validate()
 
     def validate(self) -> None:
-        if self.bits not in (*SUPPORTED_BITS, FULL_PRECISION):
+        if not _is_bits(self.bits):
             raise ValueError(
                 f"quantization_config.bits must be one of {[*SUPPORTED_BITS, FULL_PRECISION]}, got {self.bits!r}"
             )
@@ -81,7 +85,7 @@ class TinyLoopQuantConfig(QuantizationConfigMixin):
             bad = set(settings) - set(_FORMAT_KEYS)
             if bad:
                 raise ValueError(f"quantization_config.components.{component}: unknown fields {sorted(bad)}")
-            if settings["bits"] not in (*SUPPORTED_BITS, FULL_PRECISION):
+            if not _is_bits(settings["bits"]):
                 raise ValueError(
                     f"quantization_config.components.{component}.bits must be one of "
                     f"{[*SUPPORTED_BITS, FULL_PRECISION]}, got {settings['bits']!r}"
@@ -221,3 +225,8 @@ if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
     register_quantization_config(QUANT_METHOD)(TinyLoopQuantConfig)
 if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
     register_quantizer(QUANT_METHOD)(TinyLoopHfQuantizer)
+
+
+def _is_bits(value: Any) -> bool:
+    """Weight bits, or FULL_PRECISION (not quantized); an int, not 4.0 or True."""
+    return isinstance(value, int) and not isinstance(value, bool) and value in (*SUPPORTED_BITS, FULL_PRECISION)
