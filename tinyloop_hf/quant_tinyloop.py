@@ -177,7 +177,7 @@ def dequantize(packed: PackedWeight, fmt: QuantFormat) -> torch.Tensor:
 
 
 def group_parameters(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale (rounded to the stored dtype, as fp32) and integer zero point per row of ``weight`` [N, g].
+    """Scale (rounded up to the stored dtype, as fp32) and integer zero point per row of ``weight`` [N, g].
 
     Symmetric: s = 2 max|w| / (2^b - 1), z = 2^(b-1). Asymmetric: the range is widened to include 0, then
     s = (max - min) / (2^b - 1), z = round(-min / s). An all-zero group gets s = 1.
@@ -189,7 +189,11 @@ def group_parameters(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tens
         low, high = weight.amin(-1).clamp(max=0), weight.amax(-1).clamp(min=0)
         scale = (high - low) / fmt.max_code
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scale = scale.to(SCALE_DTYPES[fmt.scale_dtype]).to(torch.float32)
+    # Rounded up to the stored dtype, so that the grid still spans the group's range: rounded to nearest, a bf16 scale
+    # (8-bit mantissa) often came out smaller and clipped the group's extreme weights (INT8: up to 1.4 steps off).
+    stored = scale.to(SCALE_DTYPES[fmt.scale_dtype])
+    stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
+    scale = stored.to(torch.float32)
     scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float16).tiny))  # underflow
     if fmt.symmetric:
         zero = torch.full_like(scale, fmt.midpoint)
