@@ -192,8 +192,8 @@ def group_parameters(weight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tens
     # Rounded up to the stored dtype, so that the grid still spans the group's range: rounded to nearest, a bf16 scale
     # (8-bit mantissa) often came out smaller and clipped the group's extreme weights (INT8: up to 1.4 steps off).
     stored = scale.to(SCALE_DTYPES[fmt.scale_dtype])
-    stored = torch.where(stored.float() < scale, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
-    scale = stored.to(torch.float32)
+    up = (stored.view(torch.int16) + 1).view(stored.dtype)  # the next value up (scales are positive and finite)
+    scale = torch.where(stored.float() < scale, up, stored).to(torch.float32)
     scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float16).tiny))  # underflow
     if fmt.symmetric:
         zero = torch.full_like(scale, fmt.midpoint)
