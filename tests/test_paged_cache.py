@@ -30,6 +30,10 @@ def test_paged_cache_equals_plain_cache(variant):
     paged = _decode(model, cache, IDS, 5)
     assert torch.equal(plain, paged)
     assert cache.get_seq_length() == IDS.shape[1] and cache.storage.capacity >= IDS.shape[1]
+    plain_cache = TinyLoopCache(model.config)
+    _decode(model, plain_cache, IDS[:, :6], 5)
+    cache_api = (len(cache), cache.is_initialized, cache.get_max_length(), cache.get_max_cache_shape())
+    assert cache_api == (len(plain_cache), True, -1, -1) and len(cache) > 0
     slots = len(cache.storage.pages)
     assert cache.bytes_per_token() == slots * 2 * model.config.num_key_value_heads * model.config.head_dim * 4
 

@@ -308,6 +308,19 @@ class PagedTinyLoopCache(TinyLoopCache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def __len__(self) -> int:  # slots written (the pages hold them; there are no per-slot layer objects)
+        return len(self.slot_lengths)
+
+    @property
+    def is_initialized(self) -> bool:
+        return bool(self.slot_lengths)
+
+    def get_max_length(self) -> int:
+        return -1  # grows as needed, as TinyLoopCache
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
     def get_mask_sizes(self, query_length: int | torch.Tensor, layer_idx: int = 0) -> tuple[int, int]:
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
