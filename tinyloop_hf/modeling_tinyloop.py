@@ -570,6 +570,8 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         rule = (
             early_exit if isinstance(early_exit, EarlyExit) else EarlyExit(early_exit, threshold, self.config.exit_gate)
         )
+        if exit_threshold is not None:
+            raise _early_exit_conflict()
         if cache is None:
             raise ValueError("early_exit needs the KV cache (use_cache=True): the loops a token skips reuse its "
                              "cached K/V, which a forward without a cache would recompute at full depth")  # fmt: skip
@@ -579,9 +581,8 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
                              "reference path (model.use_reference_path())")  # fmt: skip
         if length != 1 or past == 0:
             return None
-        if exit_threshold is not None or exit_at_step is not None:  # (a loop schedule's prompt step reads a loop)
-            raise ValueError("early_exit stops loops per token; it cannot be combined with exit_threshold (which "
-                             "computes every loop and selects a state) or exit_at_step")  # fmt: skip
+        if exit_at_step is not None:  # checked at decode steps: a loop schedule's prompt step reads a loop
+            raise _early_exit_conflict()
         return rule
 
     def resume(
@@ -899,6 +900,11 @@ def _resolve_loops(
     if len(set(values)) == 1:
         return values[0], None
     return max(values), torch.tensor(values, device=device)
+
+
+def _early_exit_conflict() -> ValueError:
+    return ValueError("early_exit stops loops per token; it cannot be combined with exit_threshold (which computes "
+                      "every loop and selects a state) or exit_at_step")  # fmt: skip
 
 
 def _first_set(*values: Any) -> Any:
