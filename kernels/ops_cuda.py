@@ -79,7 +79,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                                if full or n == _THREADS or (t, i, g) == ("__nv_bfloat16", 0, 1)],
         "sampling.cu": [f"{name}<{t}>" for name in ("sample_tokens", "advance_greedy") for t in types],
         "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
-                               for d, g in ((128, 1), (64, 4), (128, 2), (64, 1)) for w in attention_block.WARPS
+                               for d in (64, 128) for g in (1, 2, 4) for w in attention_block.WARPS
                                for s in (0, 1) if full or (d, g, w, s) == (128, 1, 12, 0)],
         "fused_decode.cu": [f"fused::fused_decode<{t}, {d}, {g}, {n}>" for t in types for d in (64, 128, 256)
                             for g in (1, 2, 4, 8) for n in fused_decode.THREAD_CHOICES

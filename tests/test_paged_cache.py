@@ -183,12 +183,54 @@ def test_cuda_path_without_a_gpu_fails_clearly():
         tiny_model("ouro").use_cuda_path()
 
 
-def _cpu_cuda_path(monkeypatch):
+def _cpu_cuda_path(monkeypatch, **overrides):
     """A CudaPath over CPU tensors (its storage bookkeeping needs no GPU; graphs are off)."""
     from tinyloop_hf.kernels import loader
 
     monkeypatch.setattr(loader, "check_device", lambda device: None)
-    return tiny_model("ouro").to(torch.bfloat16).use_cuda_path(cuda_graphs=False)._cuda_path
+    return tiny_model("ouro", **overrides).to(torch.bfloat16).use_cuda_path(cuda_graphs=False)._cuda_path
+
+
+def test_cuda_path_settings_and_capacities_are_checked(monkeypatch):
+    model = tiny_model("ouro").to(torch.bfloat16)
+    for field, value in (("cuda_graphs", "false"), ("run_ahead", None)):
+        with pytest.raises(ValueError, match=rf"use_cuda_path\({field}=...\) must be True or False, got {value!r}"):
+            model.use_cuda_path(**{field: value})
+    for capacity in (2.5, "256", 0, -100, True):
+        with pytest.raises(ValueError, match=r"capacity must be None or a positive integer \(tokens per row\)"):
+            model.new_cache(capacity)
+        with pytest.raises(ValueError, match="capacity must be a positive integer"):
+            PagedTinyLoopCache(model.config, capacity=capacity)
+    cache = PagedTinyLoopCache(model.config, capacity=10**12)  # no storage past the model's positions
+    cache.reserve(1, 16, torch.bfloat16, torch.device("cpu"))
+    assert cache.storage.capacity == model.config.max_position_embeddings
+
+
+def test_a_model_spread_over_devices_is_refused_by_the_cuda_path(monkeypatch):
+    from tinyloop_hf.kernels import loader
+    from tinyloop_hf.kernels.loader import CudaPathUnavailable
+
+    monkeypatch.setattr(loader, "check_device", lambda device: None)
+    model = tiny_model("ouro").to(torch.bfloat16)
+    model.lm_head.to("meta")
+    with pytest.raises(CudaPathUnavailable, match="the CUDA path runs a model on one GPU; this one is on cpu, meta"):
+        model.use_cuda_path()
+
+
+def test_graph_keys_leave_requests_the_eager_step_refuses_to_it(monkeypatch):
+    """A decode step the eager forward would refuse (a depth past max_loops, early_exit_threshold alone, a mask of
+    the wrong length) gets no graph: it runs eagerly and fails there, before any pages are allocated for it."""
+    path = _cpu_cuda_path(monkeypatch)
+    path.use_graphs = True
+    cache = path.new_cache(64)
+    cache.reserve(1, 16, torch.bfloat16, torch.device("cpu"))
+    cache.length = 8
+    ids, plain = torch.ones(1, 1, dtype=torch.long), {"attention_mask": torch.ones(1, 9), "logits_to_keep": 1}
+    with torch.no_grad():
+        assert path.graph_key(ids, cache, plain)[0] == "decode"
+        for arguments in ({"num_loops": 40}, {"num_loops": 0}, {"early_exit_threshold": 0.5},
+                          {"attention_mask": torch.ones(1, 3)}):  # fmt: skip
+            assert path.graph_key(ids, cache, {**plain, **arguments}) is None, arguments
 
 
 def _storage(path, batch, capacity=100):
@@ -303,7 +345,7 @@ def test_a_storage_no_longer_kept_that_runs_out_of_memory_takes_its_graphs_along
 def test_a_cuda_path_cache_keeps_the_capacity_asked_for_and_its_storage_the_bucket(monkeypatch):
     from tinyloop_hf.cuda_path import capacity_bucket
 
-    path = _cpu_cuda_path(monkeypatch)
+    path = _cpu_cuda_path(monkeypatch, max_position_embeddings=512)
     cache = path.new_cache(300)
     cache.reserve(1, 20, torch.bfloat16, torch.device("cpu"))
     assert cache.capacity == 300 and cache.storage.capacity == capacity_bucket(300) == 384

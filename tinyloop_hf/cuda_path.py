@@ -110,6 +110,14 @@ class CudaPath:
 
         parameter = next(model.parameters())
         check_device(parameter.device)
+        devices = sorted({str(p.device) for p in model.parameters()} | {str(b.device) for b in model.buffers()})
+        if len(devices) > 1:
+            raise CudaPathUnavailable(f"the CUDA path runs a model on one GPU; this one is on {', '.join(devices)}")
+        if parameter.device.index is not None and parameter.device.index != torch.cuda.current_device():
+            raise CudaPathUnavailable(
+                f"the model is on {parameter.device} but the current device is cuda:{torch.cuda.current_device()}: "
+                f"the kernels launch on the current device's stream; call torch.cuda.set_device({parameter.device})"
+            )
         if model.dtype not in (torch.float16, torch.bfloat16):
             raise CudaPathUnavailable(
                 f"the CUDA path runs float16 or bfloat16 models, this one is {model.dtype}: "
@@ -254,8 +262,8 @@ class CudaPath:
             return None
         loops = arguments.get("num_loops")
         loops = config.num_loops if loops is None else loops
-        if not is_int(loops):
-            return None
+        if not is_int(loops) or not 1 <= loops <= config.max_loops:
+            return None  # (the eager step names a bad one, before any pages are allocated for it)
         plain = (
             arguments.get("inputs_embeds") is None
             and arguments.get("labels") is None
@@ -264,6 +272,7 @@ class CudaPath:
             and arguments.get("exit_at_step") is None
             and not arguments.get("use_weighted_exit")
             and arguments.get("early_exit") is None
+            and arguments.get("early_exit_threshold") is None
             and not arguments.get("output_hidden_states")
         )
         if not plain:
@@ -271,6 +280,12 @@ class CudaPath:
         batch, steps = input_ids.shape
         if steps == 1:
             if cache.storage is None or cache.length == 0 or cache.length + 1 > cache.storage.capacity:
+                return None
+            # The mask's shape only (free on the host; the eager step names a wrong one): checking a replay's mask and
+            # position values would synchronize every token. generate() extends the prompt's, which its eager step
+            # checked; a hand-written loop that passes other values gets them as given.
+            mask = arguments.get("attention_mask")
+            if mask is not None and tuple(mask.shape) != (batch, cache.length + 1):
                 return None
             if arguments.get("logits_to_keep") not in (0, 1):
                 return None

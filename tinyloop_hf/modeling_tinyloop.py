@@ -286,6 +286,8 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
     def new_cache(self, capacity: int | None = None) -> TinyLoopCache:
         """An empty cache for this model: a TinyLoopCache on the reference path, the paged cache on the CUDA path
         (``capacity``: tokens per row to reserve; it grows when exceeded)."""
+        if capacity is not None and (not is_int(capacity) or capacity < 1):
+            raise ValueError(f"capacity must be None or a positive integer (tokens per row), got {capacity!r}")
         path = getattr(self, "_cuda_path", None)
         return path.new_cache(capacity) if path is not None else TinyLoopCache(self.config)
 
@@ -297,6 +299,9 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
         GPU and a float16/bfloat16 model; raises otherwise."""
         from .cuda_path import CudaPath
 
+        for name, value in (("cuda_graphs", cuda_graphs), ("run_ahead", run_ahead)):
+            if not isinstance(value, bool):  # "false" is truthy: it would turn the feature on
+                raise ValueError(f"use_cuda_path({name}=...) must be True or False, got {value!r}")
         self._share_cuda_path(CudaPath(self, kv_cache_dtype, cuda_graphs, run_ahead))
         self.set_op_backend("cuda")
         return self

@@ -141,6 +141,8 @@ class PagedTinyLoopCache(TinyLoopCache):
         storage_provider: Any = None,
     ) -> None:
         super().__init__(config)
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive integer (tokens per row), got {capacity!r}")
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.capacity = capacity
         self.max_positions = config.max_position_embeddings
@@ -195,7 +197,7 @@ class PagedTinyLoopCache(TinyLoopCache):
         storage = self.storage
         if storage is not None and storage.batch == batch and tokens <= storage.capacity:
             return
-        capacity = max(tokens, self.capacity)
+        capacity = max(tokens, min(self.capacity, self.max_positions))  # no room for positions the model lacks
         if storage is not None and storage.batch == batch:
             capacity = max(tokens, min(2 * storage.capacity, self.max_positions))
         self._allocate(batch, capacity, dtype, device)
