@@ -2,6 +2,7 @@
 
 from .core import build_model, check_state_dict, convert_checkpoint, read_source, source_from_model
 from .formats import FORMATS, ConversionError
+from .quantize import quantize_model
 
 __all__ = [
     "FORMATS",
@@ -9,6 +10,7 @@ __all__ = [
     "build_model",
     "check_state_dict",
     "convert_checkpoint",
+    "quantize_model",
     "read_source",
     "source_from_model",
 ]

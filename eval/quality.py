@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="'embedded', 'smollm2' or a TinyLoop checkpoint dir")
     parser.add_argument("--calib", type=Path, default=embedded_model_path() / "calibration_sample.txt")
     parser.add_argument("--eval-text", type=Path, default=embedded_model_path() / "heldout_sample.txt")
-    parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 3, 2])
+    parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 3, 2], choices=sorted(GROUPS),
+                        help="quantized widths (16 bits, the unquantized row, is always reported)")
     parser.add_argument("--methods", nargs="+", default=["rtn", "gptq"])
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--window", type=int, default=512)

@@ -93,7 +93,8 @@ def test_a_string_pattern_matches_json_escaped_values_only(pattern):
 @pytest.mark.parametrize(
     "schema, problem",
     [({"type": "object", "$ref": "#/x"}, r"unsupported keyword\(s\) \['\$ref'\]"), ({"type": "tuple"}, "type must be"),
-     ("{not json", "not valid JSON"), ({"type": "array"}, "arrays need items")],
+     ("{not json", "not valid JSON"), ({"type": "array"}, "arrays need items"),
+     ({"type": "string", "pattern": "[a-z]+", "minLength": 5}, "pattern with minLength / maxLength is not supported")],
 )  # fmt: skip
 def test_bad_schemas_fail_with_the_keyword(schema, problem):
     with pytest.raises(SchemaError, match=problem):

@@ -223,3 +223,15 @@ def test_a_captured_step_leaves_the_exit_gate_out_unless_an_exit_needs_it(monkey
         assert torch.equal(captured.last_hidden_state, plain.last_hidden_state)
         threshold = model.model(IDS, exit_threshold=0.5)
         assert len(gate_calls) == model.config.num_loops and threshold.exit_probabilities is not None
+
+
+def test_labels_give_a_loss_on_a_model_with_a_coda_and_an_exit_gate():
+    """Weighted exit (Ouro's training loss) is the default only where the model allows it: a coda would run once per
+    loop, so such a model's loss is the last loop's, and an explicit use_weighted_exit=False is honoured."""
+    model = tiny_model("tinyloop")  # prelude, loop, coda, exit gate
+    ids = torch.randint(1, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+        assert torch.isfinite(loss) and torch.equal(model(ids, labels=ids, use_weighted_exit=False).loss, loss)
+    with pytest.raises(ValueError, match="use_weighted_exit needs num_coda_layers == 0"):
+        model(ids, labels=ids, use_weighted_exit=True)

@@ -786,7 +786,9 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
     ) -> bool:
         if exit_at_step is not None or exit_threshold is not None:
             return False
-        weighted = bool(use_weighted_exit) or (labels is not None and self.config.exit_gate)
+        if use_weighted_exit is None:  # training default (Ouro): the expected logits where the model allows them
+            use_weighted_exit = labels is not None and self.config.exit_gate and not self.config.num_coda_layers
+        weighted = bool(use_weighted_exit)
         if weighted and not self.config.exit_gate:
             raise ValueError("use_weighted_exit needs a model with an exit gate (TinyLoopConfig.exit_gate=True)")
         if weighted and self.config.num_coda_layers:

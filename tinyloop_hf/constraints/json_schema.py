@@ -82,6 +82,9 @@ def _json_literal(value: Any) -> str:
 
 
 def _string(schema: dict, path: str) -> str:
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        raise SchemaError(f"json_schema at {path}: pattern with minLength / maxLength is not supported; put the "
+                          "lengths in the pattern (e.g. [a-z]{5,})")  # fmt: skip
     if "pattern" in schema:  # the whole value matches it (anchored); '"', '\\' and control characters escaped
         return '"' + json_string_pattern(schema["pattern"]) + '"'
     low, high = schema.get("minLength", 0), schema.get("maxLength")
