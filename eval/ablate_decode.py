@@ -23,6 +23,7 @@ from tinyloop_hf import TinyLoopForCausalLM
 from tinyloop_hf.kernels import attention_block, fused_decode, loader, ops_cuda
 
 from .bench import base_model, build_ours
+from .gpu import require_gpu
 from .profile_decode import gpu_ms
 
 
@@ -307,6 +308,7 @@ def main() -> None:
     add_switches(parser)
     parser.add_argument("--skip", nargs="*", default=[], help="substrings of kernel names not to launch")
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.ablate_decode")
     apply_switches(args)
     model = benchmark_model(args)
     replay = warmed_decode_step(model, args, after_prompt=lambda: skip_kernels(args.skip))

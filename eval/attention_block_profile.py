@@ -17,6 +17,7 @@ import torch
 from tinyloop_hf.kernels import attention_block
 
 from .bench import base_model, build_ours
+from .gpu import require_gpu
 
 PHASES = ["QKV projection", "cluster barrier 1", "gather + attention", "barrier 2 + merge + barrier 3", "o_proj slice",
           "count + last CTA's sum"]  # fmt: skip
@@ -26,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=192)
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.attention_block_profile")
     attention_block.ATTENTION_BLOCK = True
     base = base_model(4, 4096)
     model = build_ours(base, 4).use_cuda_path(cuda_graphs=False)

@@ -25,6 +25,7 @@ from tinyloop_hf.kernels import fused_decode
 
 from .ablate_decode import VARIANTS, patch_sources
 from .bench import base_model, build_ours
+from .gpu import require_gpu
 from .profile_decode import gpu_ms
 
 PHASES = ["P1 poll + junction", "P1 slot wait", "P1 QKV", "P2 q/k/v poll", "P2 attention", "P3 poll", "P3 slot wait",
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--variant", nargs="*", default=[], choices=sorted(VARIANTS),
                         help="ablate_decode's candidate kernel changes, traced instead of the kernel as it is")
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.fused_profile")
     fused_decode.SPLITS = args.splits
     # Source patches before the kernel is first compiled.
     patch_sources(["fused-math"] * args.no_math + ["fused-global-clock"] * args.global_clock + args.variant)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from .bench import gemv_timing
+from .gpu import require_gpu
 
 # (out_features, in_features): fused QKV, o_proj, one of gate/up, down_proj, the 16384² reference matrix.
 SHAPES = ((6144, 2048), (2048, 2048), (5632, 2048), (2048, 5632), (16384, 16384))
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--from-l2", action="store_true", help="one weight copy, read from L2 by every call")
     args = parser.parse_args(argv)
+    require_gpu("python -m tinyloop_hf.eval.gemv_sweep")
     print(f"| N x K | rows | INT{args.bits} us | TB/s | cuBLAS bf16 us | speed-up |")
     print("|---|---|---|---|---|---|")
     for rows in args.rows:

@@ -24,6 +24,7 @@ from tinyloop_hf.kernels import fused_decode
 
 from .ablate_decode import benchmark_model, warmed_decode_step
 from .bench import timed
+from .gpu import require_gpu
 from .profile_decode import gpu_ms
 
 
@@ -108,6 +109,7 @@ def main() -> None:
                         help="batch-1 steps as one kernel (kernels/fused_decode.cu; the default)")
     parser.add_argument("--spare-sms", type=int, help="SMs the fused kernel leaves free (fused_decode.SPARE_SMS)")
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.generate_overhead")
     fused_decode.FUSED_DECODE = args.fused_decode
     if args.spare_sms is not None:
         fused_decode.SPARE_SMS = args.spare_sms

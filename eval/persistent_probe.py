@@ -25,6 +25,7 @@ import torch
 
 from tinyloop_hf.kernels.loader import i32, kernel, launch, multiprocessors, ptr
 
+from .gpu import require_gpu
 from .profile_decode import gpu_ms
 
 THREADS = 256  # persistent_probe.cu PROBE_THREADS
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--activation-fraction", type=float, nargs="+", default=[1.0],
                         help="with --activations: the fraction of it each CTA reads (a K split's or multicast's share)")
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.persistent_probe")
     for fraction in args.activation_fraction:
         if not 0.0 < fraction <= 1.0:
             raise SystemExit(f"--activation-fraction takes values in (0, 1], got {fraction}")

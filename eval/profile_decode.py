@@ -15,6 +15,7 @@ import torch
 from tinyloop_hf import TinyLoopForCausalLM
 
 from .bench import base_model, build_ours, timed
+from .gpu import require_gpu
 
 
 def gpu_ms(fn, repeats: int = 10) -> float:
@@ -74,6 +75,7 @@ def main() -> None:
         help="capture plain launches, with the junctions fused into the GEMV prologues (A/B of kernels/loader.py)",
     )
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.profile_decode")
     if args.no_programmatic_launch:
         from tinyloop_hf.kernels import loader
 

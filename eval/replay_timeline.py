@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .ablate_decode import add_switches, apply_switches, benchmark_model, warmed_decode_step
+from .gpu import require_gpu
 from .profile_decode import gpu_ms
 
 
@@ -117,6 +118,7 @@ def main() -> None:
                         help="profile a greedy generate() of N new tokens from a --context prompt instead")  # fmt: skip
     parser.add_argument("--marker", default="gemv_quant<8", help="a kernel run once per step (--generate)")
     args = parser.parse_args()
+    require_gpu("python -m tinyloop_hf.eval.replay_timeline")
     apply_switches(args)
     model = benchmark_model(args)
     if args.generate:

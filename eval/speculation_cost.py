@@ -14,6 +14,7 @@ import argparse
 import torch
 
 from .bench import base_model, build_ours, timed
+from .gpu import require_gpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4, 7])
     args = parser.parse_args(argv)
+    require_gpu("python -m tinyloop_hf.eval.speculation_cost")
     base = base_model(4, 4096)
     model = build_ours(base, args.bits).use_cuda_path()
     del base

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -300,3 +302,13 @@ def test_persistent_probe_reads_the_asked_fraction_of_each_activation():
     assert quarter.act_vectors == [round(v / 4) for v in whole.act_vectors]
     assert [v == 0 for v in whole.act_vectors] == [name not in ("qkv", "o", "gate_up", "down") for name, *_ in layer]
     assert not any(none.act_vectors) and quarter.vectors == whole.vectors
+
+
+@pytest.mark.parametrize("module", ["ablate_decode", "gemv_sweep", "profile_decode", "speculation_cost"])
+def test_gpu_only_eval_tools_stop_with_one_line_without_a_gpu(module):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run([sys.executable, "-m", f"tinyloop_hf.eval.{module}"], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    want = f"python -m tinyloop_hf.eval.{module} needs a CUDA GPU (torch.cuda.is_available() is False)"
+    assert done.stderr.strip() == want
