@@ -117,8 +117,10 @@ class TinyLoopGenerationMixin(GenerationMixin):
         if tokens is None or loops is None:
             raise ValueError("a loop schedule needs both warmup_tokens and warmup_loops")
         if generation_config.use_cache is False:
-            raise ValueError("warmup_tokens / warmup_loops need the KV cache (use_cache=True): a warm-up token's "
-                             "skipped loops reuse its cached K/V, which a forward without a cache would recompute")  # fmt: skip
+            raise ValueError(
+                "warmup_tokens / warmup_loops need the KV cache (use_cache=True): a warm-up token's skipped loops "
+                "reuse its cached K/V, which a forward without a cache would recompute"
+            )
         if not is_int(tokens) or tokens < 0:
             raise ValueError(f"warmup_tokens must be a non-negative integer, got {tokens!r}")
         if not is_int(full_loops):

@@ -24,7 +24,7 @@ import torch
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import graph_capturing
-from .configuration_tinyloop import TinyLoopConfig
+from .configuration_tinyloop import TinyLoopConfig, is_int
 
 PAGE_SIZE = 16
 MAX_CONTINUATION_VECTORS = 8  # query vectors (query heads of a KV group x new tokens) of one paged-attention CTA
@@ -141,7 +141,7 @@ class PagedTinyLoopCache(TinyLoopCache):
         storage_provider: Any = None,
     ) -> None:
         super().__init__(config)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer (tokens per row), got {capacity!r}")
         self.kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
         self.capacity = capacity

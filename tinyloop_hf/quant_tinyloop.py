@@ -30,15 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .configuration_tinyloop import is_int
 from .ops_tinyloop import REFERENCE, get_op, register_op
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128, None)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,9 @@ class QuantFormat:
 
     def __post_init__(self) -> None:
         # Types first: 4.0 == 4 and "false" is truthy, so a membership test alone would let them through.
-        if not _is_int(self.bits) or self.bits not in SUPPORTED_BITS:
+        if not is_int(self.bits) or self.bits not in SUPPORTED_BITS:
             raise ValueError(f"quantization bits must be one of {list(SUPPORTED_BITS)}, got {self.bits!r}")
-        if not (self.group_size is None or _is_int(self.group_size)) or self.group_size not in SUPPORTED_GROUP_SIZES:
+        if not (self.group_size is None or is_int(self.group_size)) or self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(
                 f"quantization group_size must be one of {list(SUPPORTED_GROUP_SIZES)} (None = per output channel), "
                 f"got {self.group_size!r}"

@@ -21,6 +21,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .configuration_tinyloop import is_int
 from .quant_tinyloop import SUPPORTED_BITS, PackedModule, QuantEmbedding, QuantFormat, QuantLinear
 
 QUANT_METHOD = "tinyloop"
@@ -229,4 +230,4 @@ if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
 
 def _is_bits(value: Any) -> bool:
     """Weight bits, or FULL_PRECISION (not quantized); an int, not 4.0 or True."""
-    return isinstance(value, int) and not isinstance(value, bool) and value in (*SUPPORTED_BITS, FULL_PRECISION)
+    return is_int(value) and value in (*SUPPORTED_BITS, FULL_PRECISION)
