@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import ctypes
 
-import cupy
 import numpy as np
 import torch
 
 from tinyloop_hf.kernels import loader
+
+from .gpu import require_gpu
 
 THREADS, SHARED = 384, 200 * 1024  # the fused kernel's CTA: 11 consumer warps and a producer, most shared memory
 GRID, CLUSTER, ROUNDS = 128, 8, 2000
@@ -42,6 +43,9 @@ def max_active_clusters(fn: object, cluster: int) -> int:
 
 
 def main() -> None:
+    require_gpu("python -m tinyloop_hf.eval.cluster_probe")
+    import cupy  # after the GPU check: CuPy is the GPU extra's, not a base dependency
+
     module = cupy.RawModule(code=loader.source("cluster_probe.cu"), options=("--std=c++17", "-arch=sm_90"))
     fn = module.get_function("cluster_probe")
     fn.max_dynamic_shared_size_bytes = SHARED

@@ -6,14 +6,18 @@ phase outputs (payload and sequence number in one store, polled) instead of barr
     python -m tinyloop_hf.eval.pipe_probe
 """
 
-import cupy
 import numpy as np
 import torch
 
 from tinyloop_hf.kernels import loader
 
+from .gpu import require_gpu
+
 
 def main() -> None:
+    require_gpu("python -m tinyloop_hf.eval.pipe_probe")
+    import cupy  # after the GPU check: CuPy is the GPU extra's, not a base dependency
+
     KB = 1024
     module = cupy.RawModule(code=loader.source("pipe_probe.cu"), options=("--std=c++17", "-arch=sm_90"))
     fn = module.get_function("pipe_probe")

@@ -9,14 +9,18 @@ did not overlap (eval/results/BENCH.md, fifteenth session).
 """
 
 
-import cupy
 import numpy as np
 import torch
 
 from tinyloop_hf.kernels import loader
 
+from .gpu import require_gpu
+
 
 def main() -> None:
+    require_gpu("python -m tinyloop_hf.eval.ring_probe")
+    import cupy  # after the GPU check: CuPy is the GPU extra's, not a base dependency
+
     KB = 1024
     source = loader.source("ring_probe.cu")
     module = cupy.RawModule(code=source, options=("--std=c++17", "-arch=sm_90"))
