@@ -304,9 +304,12 @@ def test_persistent_probe_reads_the_asked_fraction_of_each_activation():
     assert not any(none.act_vectors) and quarter.vectors == whole.vectors
 
 
-@pytest.mark.parametrize(
-    "module", ["ablate_decode", "gemv_sweep", "profile_decode", "speculation_cost", "cluster_probe", "ring_probe", "pipe_probe"]
-)
+GPU_ONLY_TOOLS = [
+    "ablate_decode", "gemv_sweep", "profile_decode", "speculation_cost", "cluster_probe", "ring_probe", "pipe_probe"
+]
+
+
+@pytest.mark.parametrize("module", GPU_ONLY_TOOLS)
 def test_gpu_only_eval_tools_stop_with_one_line_without_a_gpu(module):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
