@@ -217,6 +217,9 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
+    parser.add_argument("--tile-gemm", action="store_true",
+                        help="rows past GEMV_MAX_ROWS through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM)")
+    parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
     # fmt: on
 
 
@@ -226,6 +229,9 @@ def apply_switches(args: argparse.Namespace) -> None:
     attention_block.ATTENTION_BLOCK = args.attention_block
     attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
+    ops_cuda.TILE_GEMM = args.tile_gemm or ops_cuda.TILE_GEMM
+    if args.tile_warps:
+        ops_cuda.TILE_WARPS = args.tile_warps
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:

@@ -74,8 +74,17 @@ def main() -> None:
         action="store_true",
         help="capture plain launches, with the junctions fused into the GEMV prologues (A/B of kernels/loader.py)",
     )
+    parser.add_argument(
+        "--tile-gemm",
+        action="store_true",
+        help="prompts and rows past GEMV_MAX_ROWS through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM)",
+    )
     args = parser.parse_args()
     require_gpu("python -m tinyloop_hf.eval.profile_decode")
+    if args.tile_gemm:
+        from tinyloop_hf.kernels import ops_cuda
+
+        ops_cuda.TILE_GEMM = True
     if args.no_programmatic_launch:
         from tinyloop_hf.kernels import loader
 

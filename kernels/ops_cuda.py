@@ -68,6 +68,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
+        "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {TILE_NT}, {w}>" for b in MMA_BITS for t in types
+                               for w in ((4, 8) if full else (TILE_WARPS,)) if full or t == "__nv_bfloat16"]
+        + [f"gemm_tile_reduce<{t}>" for t in types],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
@@ -368,15 +371,12 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
     quantized = [isinstance(layer, QuantLinear) for layer in layers]
     if all(quantized) and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
         return _gemv(x, layers, swiglu)
-    if all(quantized):  # prefill: one dequantized stack, one GEMM
-        weight = dequantize_weights(layers, x.dtype)
-        biases = [layer.bias for layer in layers]
-        bias = None
-        if any(b is not None for b in biases):
-            parts = [torch.zeros(layer.out_features, device=x.device) if b is None else b
-                     for layer, b in zip(layers, biases, strict=True)]  # fmt: skip
-            bias = torch.cat(parts).to(x.dtype)
-        y = F.linear(x, weight, bias)
+    if all(quantized):  # prefill: the tile kernel, or one dequantized stack and one GEMM
+        bias = _stacked_bias(layers, x.dtype)
+        if TILE_GEMM and tile_gemm_serves(x, layers):
+            y = tile_gemm(x, layers, bias)
+        else:
+            y = F.linear(x, dequantize_weights(layers, x.dtype), bias)
         return _swiglu(*y.split(layers[0].out_features, dim=-1)) if swiglu else y
     outputs = []
     for layer in layers:
@@ -387,6 +387,80 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
     if swiglu:
         return _swiglu(*outputs)
     return torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+
+
+def _stacked_bias(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor | None:
+    """The layers' biases concatenated in ``dtype`` (zeros for a layer without one), or None if none has one."""
+    biases = [layer.bias for layer in layers]
+    if all(b is None for b in biases):
+        return None
+    device = layers[0].qweight.device
+    parts = [torch.zeros(layer.out_features, device=device) if b is None else b
+             for layer, b in zip(layers, biases, strict=True)]  # fmt: skip
+    return torch.cat(parts).to(dtype)
+
+
+# Prompt forwards and decode batches past GEMV_MAX_ROWS through the tensor-core tile kernel (kernels/gemm_quant_tile.cu:
+# each weight dequantized in registers once per 64 tokens, the activations staged in shared memory once per CTA)
+# instead of dequantize + cuBLAS, which writes and re-reads a 16-bit copy of every weight (INT4 at batch 64 ran slower
+# than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). Written in the thirty-sixth session, when no GPU
+# was lent: it compiles (tests/test_kernels_compile.py) but has never run, so it stays off until the GPU tests
+# (tests/gpu/test_cuda_kernels.py -k tile) pass and ablate_decode --batch 64 / profile_decode --prefill measure it.
+TILE_GEMM = False
+TILE_WARPS = 4  # warps per CTA, 16 weight rows each (8 is instantiated too, for measurements)
+TILE_NT = 8  # n-tiles of 8 tokens per CTA: 64 tokens
+TILE_STAGES = 3  # kernels/gemm_quant_tile.cu TILE_STAGES: staged activation steps (dynamic shared memory)
+TILE_WAVES = 2  # K is split across CTAs until the grid has about this many CTAs per SM (each split >= 2 steps)
+
+
+def tile_gemm_serves(x: torch.Tensor, layers: list[QuantLinear]) -> bool:
+    """Whether the tile kernel serves x [M, K] times these layers: a tensor-core format, one format and K for all,
+    16-byte aligned contiguous activation rows, and whole 4-word lane chunks (as the 16-row tensor-core kernel)."""
+    owner = layers[0]
+    fmt, K = owner.format, owner.in_features
+    if fmt.bits not in MMA_BITS or len(layers) > 3:
+        return False
+    if any(layer.format != fmt or layer.in_features != K for layer in layers):
+        return False
+    return K % 8 == 0 and (K // _columns_per_word(fmt)) % 4 == 0 and x.data_ptr() % 16 == 0 and x.stride(0) == K
+
+
+def tile_gemm(
+    x: torch.Tensor, layers: list[QuantLinear], bias: torch.Tensor | None, splits: int | None = None,
+    warps: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (contiguous) times 1-3 QuantLinears of one format -> [M, sum N] (+ ``bias``, the stacked biases), in
+    one launch of the tile kernel, plus a reduce launch where K is split over ``splits`` CTAs (None: picked here)."""
+    owner = layers[0]
+    fmt, K = owner.format, owner.in_features
+    warps = TILE_WARPS if warps is None else warps
+    M, out_features = x.shape[0], sum(layer.out_features for layer in layers)
+    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    columns_per_word = _columns_per_word(fmt)
+    steps = math.ceil(K // columns_per_word / 16)
+    row_tiles = sum(math.ceil(layer.out_features / (16 * warps)) for layer in layers)
+    token_tiles = math.ceil(M / (8 * TILE_NT))
+    if splits is None:
+        wanted = math.ceil(TILE_WAVES * multiprocessors(x.device) / (row_tiles * token_tiles))
+        splits = min(steps // 2, wanted)
+    per_split = math.ceil(steps / min(max(1, splits), steps))
+    splits = math.ceil(steps / per_split)
+    partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if splits > 1 else None
+    fn = kernel("gemm_quant_tile.cu", f"gemm_quant_tile<{fmt.bits}, {cuda_type(x.dtype)}, {TILE_NT}, {warps}>")
+    shared = TILE_STAGES * 8 * TILE_NT * 2 * columns_per_word * 16
+    if shared > _SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < shared:
+        fn.max_dynamic_shared_size_bytes = shared
+    args = (ptr(x), i32(M), i32(K), *_matrix_arguments(layers, _PACKED_TENSORS), ptr(bias), ptr(y), ptr(partial),
+            i32(out_features), *_format_arguments(owner), i32(per_split))  # fmt: skip
+    launch(fn, (row_tiles, token_tiles, splits), (32 * warps,), args, shared_mem=shared)
+    if partial is not None:
+        count = M * out_features
+        reduce = kernel("gemm_quant_tile.cu", f"gemm_tile_reduce<{cuda_type(x.dtype)}>")
+        args = (ptr(partial), i32(splits), i32(count), i32(out_features), ptr(bias), ptr(y))
+        launch(reduce, (math.ceil(count / 256),), (256,), args)
+    return y
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,48 @@ def test_dequantize_launch_stacks_up_to_three_layers_exactly(bits, in_features):
         assert torch.equal(stacked, expected), count
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [32, 128, None])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
+    """kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM, off by default) against the fp32 product of the dequantized
+    weights: token counts around its 64-token tiles, rows around its 64-row tiles (three stacked matrices, one without
+    a bias), K with a partial last step, K split over CTAs or not, 4- and 8-warp CTAs."""
+    scale_dtype = "bfloat16" if bits == 4 else "float16"
+    fmt = QuantFormat(bits=bits, group_size=group, symmetric=bits == 8, scale_dtype=scale_dtype)
+    layers = [_quant_layer(n, 576, fmt, seed=n, bias=n != 40).to(dtype) for n in (96, 40, 136)]
+    weight = torch.cat([layer.dequantized_weight() for layer in layers]).float()
+    bias = ops_cuda._stacked_bias(layers, dtype)
+    for rows in (33, 64, 65, 200):
+        x = torch.randn(rows, 576, device="cuda", dtype=dtype)
+        assert ops_cuda.tile_gemm_serves(x, layers)
+        expected = x.float() @ weight.T + bias.float()
+        for splits, warps in ((1, 4), (3, 4), (None, 8), (100, 4)):
+            actual = ops_cuda.tile_gemm(x, layers, bias, splits=splits, warps=warps)
+            assert actual.dtype == dtype and actual.shape == (rows, 272)
+            assert _relative_error(actual, expected) <= GEMV_TOLERANCE[dtype], (rows, splits, warps)
+        one = ops_cuda.tile_gemm(x, layers[1:2], None)  # one matrix, no bias
+        assert _relative_error(one, x.float() @ layers[1].dequantized_weight().float().T) <= GEMV_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, monkeypatch):
+    """project() with ops_cuda.TILE_GEMM on: fused QKV and SwiGLU, the same values as its dequantize + cuBLAS path
+    (the tile kernel is the one that ran)."""
+    fmt = QuantFormat(bits=4, group_size=64)
+    q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
+    gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
+    x = torch.randn(100, 256, device="cuda", dtype=dtype)
+    cublas_qkv, cublas_mlp = ops_cuda.project(x, [q, k, v]), ops_cuda.project(x, [gate, up], swiglu=True)
+    names = []
+    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
+    monkeypatch.setattr(ops_cuda, "TILE_GEMM", True)
+    tile_qkv, tile_mlp = ops_cuda.project(x, [q, k, v]), ops_cuda.project(x, [gate, up], swiglu=True)
+    assert any(name.startswith("gemm_quant_tile<") for name in names), names
+    assert not any(name.startswith("dequantize_weights") for name in names), names
+    assert _relative_error(tile_qkv, cublas_qkv) <= 1e-2 and _relative_error(tile_mlp, cublas_mlp) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_kernel_matches_pytorch(dtype):
     y = torch.randn(37, 2 * 264, device="cuda", dtype=dtype) * 4
