@@ -87,3 +87,11 @@ def test_from_pretrained_overrides_are_validated(tmp_path):
     assert AutoConfig.from_pretrained(tmp_path, num_loops=2).num_loops == 2
     with pytest.raises(ValueError, match="num_loops must be"):
         AutoConfig.from_pretrained(tmp_path, num_loops=99)
+
+
+def test_save_refuses_a_field_edited_to_a_value_loading_would_refuse(tmp_path):
+    config = tiny_config("ouro")
+    config.num_loops = config.max_loops + 1
+    with pytest.raises(ValueError, match="num_loops must be"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()

@@ -6,6 +6,7 @@ Llama/Qwen2 (L = 1) and native TinyLoop models differ only in the fields below; 
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
@@ -151,9 +152,23 @@ class TinyLoopConfig(PreTrainedConfig):
     def register_for_auto_class(cls, auto_class: Any = "AutoConfig") -> None:
         """No-op: checkpoints carry import shims (``remote_code.py``), never copies of this package's code."""
 
-    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+    def validate(self) -> None:
+        """transformers' checks, then TinyLoop's: save_pretrained runs this before writing, so a field edited to a
+        value from_pretrained would refuse (num_loops past max_loops, say) fails the save, not a later load."""
+        parent = getattr(super(), "validate", None)
+        if parent is not None:
+            parent()
+        self.validate_tinyloop()
+
+    def save_pretrained(self, save_directory: Any, *args: Any, push_to_hub: bool = False, **kwargs: Any) -> None:
+        """As transformers' save_pretrained, plus the import shims auto_map names. With ``push_to_hub`` the folder is
+        uploaded once it is complete: transformers uploads inside its save, before the shims would exist."""
         super().save_pretrained(save_directory, *args, **kwargs)
         write_remote_code(save_directory)
+        if push_to_hub:
+            repo_id = kwargs.pop("repo_id", os.path.basename(os.path.normpath(str(save_directory))))
+            hub_fields = ("commit_message", "commit_description", "private", "token", "revision", "create_pr")
+            self.push_to_hub(repo_id, **{name: kwargs[name] for name in hub_fields if name in kwargs})
 
     @property
     def num_hidden_layers(self) -> int:

@@ -17,15 +17,18 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .cache_tinyloop import TinyLoopCache
 from .compat import CACHE_OUTPUT_FIELD, graph_capturing
 from .configuration_tinyloop import TinyLoopConfig, is_int, is_probability
 from .generation_tinyloop import TinyLoopGenerationMixin
 from .loop_exit import EarlyExit, exit_distribution, select_states, threshold_exit_steps
+from .offload import hook_offloaded_blocks
 from .ops_tinyloop import REFERENCE, Junction, get_op, register_op, rope_angles
 from .quant_tinyloop import PackedModule, packed_shape_errors
 
+logger = logging.get_logger(__name__)
 LoopCount = int | Sequence[int] | torch.Tensor
 
 
@@ -164,6 +167,8 @@ class DeferredJunction:
 class TinyLoopBlock(nn.Module):
     """Attention + SwiGLU MLP with the configured norm placement (N1..N4 are Ouro's names)."""
 
+    gradient_checkpointing = False  # set by gradient_checkpointing_enable(), with _gradient_checkpointing_func
+
     def __init__(self, config: TinyLoopConfig) -> None:
         super().__init__()
         self.block_norm = config.block_norm
@@ -269,6 +274,7 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     _no_split_modules = ["TinyLoopBlock"]
     _supports_sdpa = True
+    supports_gradient_checkpointing = True  # per block (TinyLoopModel._run_layers), every loop's applications too
     _can_compile_fullgraph = False
     # Checkpoint tensors this class may leave unused (the base model loaded from a causal-LM checkpoint).
     _unused_checkpoint_prefixes: tuple[str, ...] = ()
@@ -371,6 +377,8 @@ class TinyLoopPreTrainedModel(PreTrainedModel):
             problems.append("packed tensors of the wrong shape (tensor, checkpoint, model): " + "; ".join(packed))
         if problems:
             raise ValueError(f"checkpoint does not match its TinyLoop config: {' | '.join(problems)}")
+        if any(device in ("cpu", "disk") for device in (getattr(model, "hf_device_map", None) or {}).values()):
+            hook_offloaded_blocks(model, TinyLoopBlock)
         return (model, info) if wants_info else model
 
 
@@ -411,6 +419,10 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         """``early_exit`` ("gate", "state_delta", "kl"; see loop_exit.EarlyExit) with ``early_exit_threshold``: at
         decode steps each row stops looping when its criterion is met, and the loops it skipped reuse its last
         computed loop's K/V (prompts run every loop). Rows past their ``num_loops`` stop computing as well."""
+        if self._checkpointing() and (use_cache or past_key_values is not None or cache is not None):
+            # The backward pass recomputes each block, which would write its K/V into the cache a second time.
+            logger.warning_once("use_cache=True is incompatible with gradient checkpointing: running without a cache")
+            use_cache, past_key_values, cache = False, None, None
         cache = _resolve_cache(past_key_values, cache, use_cache, self.new_cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -649,19 +661,29 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
         x = self._run_layers(self.coda_layers, x, context, lambda index: _slot(context.cache, "coda", index))
         return self.norm(x) if self.config.final_norm != "every_loop" else x
 
-    @staticmethod
+    def _checkpointing(self) -> bool:
+        """Whether this forward recomputes its blocks in the backward pass (gradient_checkpointing_enable())."""
+        block = next(iter(self.loop_layers), None)
+        return block is not None and block.gradient_checkpointing and self.training and torch.is_grad_enabled()
+
     def _run_layers(
-        layers: nn.ModuleList, x: torch.Tensor, context: _ForwardContext, slot_of: Callable[[int], int]
+        self, layers: nn.ModuleList, x: torch.Tensor, context: _ForwardContext, slot_of: Callable[[int], int]
     ) -> torch.Tensor:
         """Blocks in sequence; each one's last junction is deferred to the next block (same math, fused there with
-        the next block's input norm and QKV projection)."""
+        the next block's input norm and QKV projection). Under gradient checkpointing each block runs whole through
+        the checkpoint function (its output one tensor: nothing deferred crosses a checkpoint)."""
+        if self._checkpointing():
+            for index, layer in enumerate(layers):
+                x = layer._gradient_checkpointing_func(layer.__call__, x, context, slot_of(index), None, False)
+            return x
         deferred = None
         for index, layer in enumerate(layers):
             following = layers[index + 1] if index + 1 < len(layers) else None
-            # A device map split between two blocks: the junction stays on this block's device.
-            defer = following is not None and (
-                following.input_layernorm.weight.device == layer.input_layernorm.weight.device
-            )
+            # A device map split between two blocks: the junction stays on this block's device; an offloaded block
+            # (weights on meta between its calls) keeps its own junction too.
+            device = layer.input_layernorm.weight.device
+            defer = following is not None and following.input_layernorm.weight.device == device
+            defer = defer and device.type != "meta"
             out = layer(x, context, slot_of(index), deferred, defer)
             x, deferred = out if defer else (out, None)
         return x

@@ -28,12 +28,13 @@ QUANT_METHOD = "tinyloop"
 COMPONENTS = ("prelude", "loop", "coda", "lm_head", "embed_tokens")
 HIGH_PRECISION_UNLESS_ASKED = ("lm_head", "embed_tokens")
 FULL_PRECISION = 16
+# Module names in TinyLoopForCausalLM ("model." first) or in the base TinyLoopModel (AutoModel: no prefix).
 _COMPONENT_OF = (
-    (re.compile(r"^model\.prelude_layers\."), "prelude"),
-    (re.compile(r"^model\.(loop_layers\.|injection$)"), "loop"),
-    (re.compile(r"^model\.coda_layers\."), "coda"),
+    (re.compile(r"^(model\.)?prelude_layers\."), "prelude"),
+    (re.compile(r"^(model\.)?(loop_layers\.|injection$)"), "loop"),
+    (re.compile(r"^(model\.)?coda_layers\."), "coda"),
     (re.compile(r"^lm_head$"), "lm_head"),
-    (re.compile(r"^model\.embed_tokens$"), "embed_tokens"),
+    (re.compile(r"^(model\.)?embed_tokens$"), "embed_tokens"),
 )
 _FORMAT_KEYS = ("bits", "group_size", "symmetric", "scale_dtype")
 
