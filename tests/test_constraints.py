@@ -236,3 +236,110 @@ def test_bad_grammar_fails_when_generate_starts(embedded):
         model.generate(ids, max_new_tokens=2, tokenizer=tokenizer, grammar='root ::= "a" | ')
     with pytest.raises(ValueError, match="set one of regex, json_schema, choices, grammar"):
         model.generate(ids, max_new_tokens=2, tokenizer=tokenizer, grammar=GRAMMAR, regex="a")
+
+
+def test_special_and_end_tokens_are_never_text(embedded):
+    """The embedded tokenizer's chat markers (<|im_start|>, <|im_end|>: added special tokens its special-token map
+    does not list) are no pattern bytes, and an end token is never text even where its characters would fit."""
+    _, tokenizer = embedded
+    marker = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    compiled = compiled_constraint(r"[a-z_<>|]{10}", tokenizer, [marker], 49152)
+    assert compiled.pieces[marker] is None and compiled.pieces[tokenizer.convert_tokens_to_ids("<|im_start|>")] is None
+    processor = ConstrainedLogitsProcessor(compiled)
+    processor.prompt_length = 0
+    allowed = processor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 49152))[0].isfinite()
+    assert not allowed[marker] and allowed.any()
+
+
+def test_a_row_stopped_by_a_stop_string_is_padded_not_failed(embedded):
+    """generate() pads a row that stop_strings ended (pad != eos here): the constraint ends it there, and the other
+    row stays inside the pattern (regex and grammar)."""
+    model, tokenizer = embedded
+    tokenizer.padding_side = "left"
+    batch = tokenizer([PROMPT, "HAMLET. I say"], return_tensors="pt", padding=True)
+    n = batch.input_ids.shape[1]
+    pad = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert pad != tokenizer.eos_token_id
+    common = dict(max_new_tokens=12, do_sample=False, tokenizer=tokenizer, pad_token_id=pad, stop_strings=["no"])
+    for constraint in (dict(regex=r" (yes|no), my lord\."), dict(grammar=GRAMMAR)):
+        out = model.generate(**batch, **common, **constraint)
+        texts = [_text(tokenizer, row, n) for row in out]
+        for text in texts:
+            assert GRAMMAR_TEXT.fullmatch(text) or "no" in text, (constraint, texts)  # matched, or stopped at "no"
+
+
+def test_a_model_without_an_end_token_is_refused_when_generate_starts(embedded):
+    model, tokenizer = embedded
+    ids = tokenizer("x", return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="need an end-of-sequence token"):
+        model.generate(ids, max_new_tokens=2, tokenizer=tokenizer, regex="a", eos_token_id=[])
+
+
+def test_a_constraint_passed_to_generate_replaces_the_saved_one(embedded):
+    model, tokenizer = embedded
+    model.generation_config.regex = r" (yes|no)\."
+    try:
+        ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, tokenizer=tokenizer, choices=[" Hamlet"])
+        assert _text(tokenizer, out[0], ids.shape[1]) == " Hamlet"
+        assert model.generation_config.regex == r" (yes|no)\."  # the saved config is left as it was
+    finally:
+        del model.generation_config.regex
+
+
+def test_the_processor_keeps_only_recent_prefixes(embedded):
+    """Memory linear in the output length: after 200 steps of 3 rows the processor holds the last two calls'
+    prefixes, and a rolled-back prefix (a rejected draft) still gets its state."""
+    _, tokenizer = embedded
+    compiled = compiled_constraint(r"[a-z ]*", tokenizer, [tokenizer.eos_token_id], 49152)
+    processor = ConstrainedLogitsProcessor(compiled)
+    processor.prompt_length = 0
+    letters = [tokenizer.convert_tokens_to_ids(c) for c in "abc"]
+    ids = torch.zeros(3, 0, dtype=torch.long)
+    for _ in range(200):
+        ids = torch.cat([ids, torch.tensor(letters)[:, None]], dim=1)
+        processor(ids, torch.zeros(3, 49152))
+    assert len(processor._known) <= 4 and len(processor._previous) <= 4
+    back = processor(ids[:, :150], torch.zeros(3, 49152))
+    assert torch.equal(back, processor(ids[:, :150], torch.zeros(3, 49152))) and back.isfinite().any()
+
+
+@pytest.mark.parametrize(
+    "pattern, text, matches",
+    [(".", b"\xed\xa0\x80", False), (".", b"\xe0\x80\x80", False), (".", b"\xf4\x90\x80\x80", False),
+     (".", b"\xc0\xaf", False), (".", "\U0010ffff".encode(), True), (r"\S+", "café".encode(), True),
+     (r"\D+", "日本".encode(), True), (r"\W", "日".encode(), True), (r"[\S]x", "éx".encode(), True),
+     (r"[^\S]+", b" \t", True), (r"[^\S]", "日".encode(), False), (r"\w", "é".encode(), False)],
+)  # fmt: skip
+def test_any_character_is_well_formed_utf8_and_negated_escapes_take_non_ascii(pattern, text, matches):
+    assert ByteDFA(pattern).fullmatch(text) == matches
+
+
+def test_every_valid_character_matches_a_dot():
+    dot = ByteDFA(".")
+    characters = [chr(c) for c in (*range(0x80, 0x800, 7), *range(0x800, 0xD800, 97), *range(0xE000, 0x10000, 89),
+                                   *range(0x10000, 0x110000, 4099), 0x10FFFF)]  # fmt: skip
+    assert all(dot.fullmatch(c.encode()) for c in characters)
+
+
+@pytest.mark.parametrize(
+    "schema, problem",
+    [({"type": "string", "pattern": "[A-Z"}, r"at \$\.pattern: .*without"), ({"type": "string", "minLength": "3"},
+      "minLength must be an integer"), ({"type": "string", "pattern": 5}, "pattern: must be a string"),
+     ({"type": "object", "properties": [1]}, "properties must be an object"),
+     ({"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}, "minItems 3 is above maxItems 1"),
+     ({"enum": []}, "enum must be a non-empty list"), ({"anyOf": []}, "anyOf must be a non-empty list"),
+     ({"type": []}, "type must be a non-empty list"), ({"type": "array", "items": {"type": "null"}, "minItems": -1},
+      "minItems must be an integer >= 0")],
+)  # fmt: skip
+def test_malformed_schemas_fail_naming_the_path_and_keyword(schema, problem):
+    with pytest.raises(SchemaError, match=problem):
+        schema_to_regex(schema)
+
+
+def test_anchored_schema_patterns_mean_the_same_as_unanchored_ones():
+    for anchored, plain, value in (("^[0-9]{5}$", "[0-9]{5}", "12345"), ("^a\\$", "a\\$", "a$")):
+        dfa = ByteDFA(schema_to_regex({"type": "string", "pattern": anchored}))
+        assert dfa.fullmatch(json.dumps(value).encode())
+        assert schema_to_regex({"type": "string", "pattern": anchored}) == schema_to_regex(
+            {"type": "string", "pattern": plain})

@@ -44,10 +44,14 @@ class TinyLoopGenerationMixin(GenerationMixin):
                 "assistant_early_exit truncates layers inside each loop of a looped model and is not supported; "
                 "draft with fewer loops through the draft_loops generation field instead (self-speculative decoding)"
             )
+        called = [field for field in CONSTRAINT_FIELDS if kwargs.get(field) is not None]
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
         for field in SPECULATION_FIELDS + SCHEDULE_FIELDS + CONSTRAINT_FIELDS:  # decoding settings, not forward()
             if model_kwargs.get(field) is not None:  # arguments: kept on the call's config
                 setattr(generation_config, field, model_kwargs.pop(field))
+        if called:  # a constraint passed to this call replaces the one the saved generation config holds
+            for field in set(CONSTRAINT_FIELDS) - set(called):
+                setattr(generation_config, field, None)
         constraint_pattern(generation_config)  # an invalid regex / schema / choices list fails here
         if getattr(generation_config, "grammar", None) is not None:
             check_grammar(generation_config.grammar)  # ... and a grammar that does not parse
@@ -89,10 +93,17 @@ class TinyLoopGenerationMixin(GenerationMixin):
             tokenizer = self._own_tokenizer()
         eos = generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if not eos:  # a complete match could then only be cut by max_new_tokens, past which nothing is allowed
+            raise ValueError(
+                "regex / json_schema / choices / grammar need an end-of-sequence token to finish on: set "
+                "generation_config.eos_token_id or pass generate(eos_token_id=...)"
+            )
+        pad = generation_config.pad_token_id
+        pad = None if pad is None else int(pad)
         vocab = self.config.vocab_size
         if grammar is not None:
-            return GrammarLogitsProcessor(compile_grammar(grammar, tokenizer, vocab, eos), vocab)
-        return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, vocab))
+            return GrammarLogitsProcessor(compile_grammar(grammar, tokenizer, vocab, eos), vocab, pad)
+        return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, vocab), pad)
 
     def _own_tokenizer(self) -> Any:
         from transformers import AutoTokenizer

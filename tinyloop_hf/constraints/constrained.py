@@ -57,6 +57,9 @@ def vocabulary_bytes(tokenizer: Any) -> list[bytes | None]:
     vocabulary = tokenizer.get_vocab()
     size = max(vocabulary.values()) + 1
     special = set(getattr(tokenizer, "all_special_ids", []))
+    # Added special tokens (chat markers such as <|im_end|>) that the tokenizer's special-token map may not list.
+    special |= {i for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                if getattr(token, "special", False)}  # fmt: skip
     byte_level = _byte_decoder() if _is_byte_level(tokenizer) else None
     table: list[bytes | None] = [None] * size
     for piece, index in vocabulary.items():
@@ -104,7 +107,10 @@ class CompiledConstraint:
 
     def __init__(self, pattern: str, pieces: list[bytes | None], eos_token_ids: list[int], vocab_size: int) -> None:
         self.dfa = ByteDFA(pattern)
-        self.pieces, self.eos = pieces, [i for i in eos_token_ids if i is not None]
+        self.eos = [i for i in eos_token_ids if i is not None]
+        # An end-of-sequence token is never text, whatever its bytes: it is allowed only where the pattern is complete.
+        self.pieces = [None if index in self.eos else piece for index, piece in enumerate(pieces)]
+        pieces = self.pieces
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._trie = _Trie(pieces)
@@ -203,30 +209,46 @@ def _vocabulary_bytes_of(tokenizer: Any) -> list[bytes | None]:
 
 class ConstrainedLogitsProcessor(LogitsProcessor):
     """Masks every token that would leave the pattern; end-of-sequence only where the text so far matches. One per
-    generate() call (it records the prompt length and the states of the prefixes it has seen)."""
+    generate() call (it records the prompt length and the states of the prefixes of its last two calls).
 
-    def __init__(self, compiled: CompiledConstraint) -> None:
-        self.compiled = compiled
-        self._state_of_prefix: dict[tuple[int, ...], int] = {(): compiled.dfa.start}
+    A row generate() has stopped (an end token, stop_strings, a stopping criterion) is padded with ``pad_token_id``:
+    a pad token the pattern cannot take ends the row instead of failing it."""
+
+    def __init__(self, compiled: CompiledConstraint, pad_token_id: int | None = None) -> None:
+        self.compiled, self.pad_token_id = compiled, pad_token_id
+        # Prefixes (generated tokens) -> automaton state, of the last two calls only: memory stays linear in the
+        # output length; a rolled-back draft or a reordered beam re-walks from its longest known prefix.
+        self._known: dict[tuple[int, ...], int] = {(): compiled.dfa.start}
+        self._previous: dict[tuple[int, ...], int] = {}
         self.prompt_length: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]
-        generated = input_ids[:, self.prompt_length :].tolist()
-        compiled = self.compiled
-        masks = [compiled.additive_mask(self._state(tuple(tokens)), scores) for tokens in generated]
+        prefixes = [tuple(tokens) for tokens in input_ids[:, self.prompt_length :].tolist()]
+        states = [self._state(prefix) for prefix in prefixes]
+        self._previous = self._known
+        self._known = {(): self.compiled.dfa.start, **dict(zip(prefixes, states, strict=True))}
+        masks = [self.compiled.additive_mask(state, scores) for state in states]
         return scores + (masks[0] if len(masks) == 1 else torch.stack(masks))
 
     def _state(self, prefix: tuple[int, ...]) -> int:
-        state = self._state_of_prefix.get(prefix)
-        if state is None:
-            parent = self._state(prefix[:-1])
-            token, compiled = prefix[-1], self.compiled
-            if parent == _FINISHED or token in compiled.eos:
-                state = _FINISHED
-            else:
-                piece = compiled.pieces[token] if token < len(compiled.pieces) else None
-                state = compiled.dfa.walk(parent, piece) if piece else ByteDFA.DEAD
-            self._state_of_prefix[prefix] = state
+        """The automaton state after ``prefix``: from the longest prefix of it seen in the last two calls."""
+        cut = len(prefix)
+        while cut > 0 and prefix[:cut] not in self._known and prefix[:cut] not in self._previous:
+            cut -= 1
+        known = prefix[:cut]
+        state = self._known[known] if known in self._known else self._previous.get(known, self.compiled.dfa.start)
+        for token in prefix[cut:]:
+            state = self._advance(state, token)
         return state
+
+    def _advance(self, state: int, token: int) -> int:
+        compiled = self.compiled
+        if state == _FINISHED or token in compiled.eos:
+            return _FINISHED
+        piece = compiled.pieces[token] if token < len(compiled.pieces) else None
+        following = compiled.dfa.walk(state, piece) if piece else ByteDFA.DEAD
+        if following == ByteDFA.DEAD and token == self.pad_token_id:
+            return _FINISHED  # generate() pads a row it stopped
+        return following

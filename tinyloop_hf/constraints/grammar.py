@@ -54,22 +54,28 @@ def check_grammar(grammar: Any) -> None:
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
-    """Masks the tokens the grammar does not allow after each row's generated prefix."""
+    """Masks the tokens the grammar does not allow after each row's generated prefix. Matchers are kept for the
+    prefixes of the last two calls only (memory linear in the output length), and a row generate() has stopped and
+    pads with ``pad_token_id`` ends there instead of failing the grammar."""
 
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, pad_token_id: int | None = None) -> None:
         xgrammar = _xgrammar()
-        self._xgrammar, self.vocab_size = xgrammar, vocab_size
+        self._xgrammar, self.vocab_size, self.pad_token_id = xgrammar, vocab_size, pad_token_id
+        self._compiled = compiled
         self._matchers: dict[tuple[int, ...], Any] = {(): xgrammar.GrammarMatcher(compiled)}
+        self._previous: dict[tuple[int, ...], Any] = {}
         self.prompt_length: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
             self.prompt_length = input_ids.shape[1]
         prefixes = [tuple(row) for row in input_ids[:, self.prompt_length :].tolist()]
+        matchers = [self._matcher(prefix) for prefix in prefixes]
+        self._previous, self._matchers = self._matchers, dict(zip(prefixes, matchers, strict=True))
+        self._matchers.setdefault((), self._previous[()])
         bitmask = self._xgrammar.allocate_token_bitmask(len(prefixes), self.vocab_size)
         constrained = []
-        for index, prefix in enumerate(prefixes):
-            matcher = self._matcher(prefix)
+        for index, matcher in enumerate(matchers):
             if matcher is not None and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, index)
                 constrained.append(index)
@@ -81,14 +87,23 @@ class GrammarLogitsProcessor(LogitsProcessor):
         return scores
 
     def _matcher(self, prefix: tuple[int, ...]) -> Any:
-        """The matcher after ``prefix`` (None once the row has ended); forked from its parent's."""
-        if prefix in self._matchers:
-            return self._matchers[prefix]
-        parent = self._matcher(prefix[:-1])
-        matcher = None
-        if parent is not None and not parent.is_terminated():
-            matcher = parent.fork()
-            if not matcher.accept_token(prefix[-1]):
-                raise ValueError(f"token {prefix[-1]} is outside the grammar (forced by another processor?)")
-        self._matchers[prefix] = matcher
+        """The matcher after ``prefix`` (None once the row has ended): forked from the longest prefix of it seen in
+        the last two calls, then fed the rest."""
+        cut = len(prefix)
+        while cut > 0 and prefix[:cut] not in self._matchers and prefix[:cut] not in self._previous:
+            cut -= 1
+        known = prefix[:cut]
+        matcher = self._matchers[known] if known in self._matchers else self._previous.get(known)
+        if cut == 0 and matcher is None:
+            matcher = self._xgrammar.GrammarMatcher(self._compiled)
+        if matcher is None or cut == len(prefix):
+            return matcher
+        matcher = matcher.fork()  # the known prefix's matcher stays as it is
+        for token in prefix[cut:]:
+            if matcher.is_terminated():
+                return None
+            if not matcher.accept_token(token):
+                if token == self.pad_token_id:
+                    return None  # generate() pads a row it stopped
+                raise ValueError(f"token {token} is outside the grammar (forced by another processor?)")
         return matcher

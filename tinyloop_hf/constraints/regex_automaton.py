@@ -19,10 +19,22 @@ _ASCII = range(128)
 _DIGITS = frozenset(range(ord("0"), ord("9") + 1))
 _WORD = _DIGITS | frozenset(range(ord("a"), ord("z") + 1)) | frozenset(range(ord("A"), ord("Z") + 1)) | {ord("_")}
 _SPACE = frozenset(b" \t\n\r\f\v")
-_CLASS_ESCAPES = {
-    "d": _DIGITS, "w": _WORD, "s": _SPACE,
-    "D": frozenset(_ASCII) - _DIGITS, "W": frozenset(_ASCII) - _WORD, "S": frozenset(_ASCII) - _SPACE,
-}  # fmt: skip
+# \d \w \s are ASCII-only; their negations \D \W \S are every other character, non-ASCII included (as in re).
+_CLASS_ESCAPES = {"d": _DIGITS, "w": _WORD, "s": _SPACE}
+_NEGATED_ESCAPES = {"D": _DIGITS, "W": _WORD, "S": _SPACE}
+# Well-formed UTF-8 of a non-ASCII character (Unicode Table 3-7): byte ranges, lead byte first. No surrogates, no
+# overlong forms, nothing past U+10FFFF.
+_TAIL = range(0x80, 0xC0)
+_UTF8_SEQUENCES = (
+    (range(0xC2, 0xE0), _TAIL),
+    (range(0xE0, 0xE1), range(0xA0, 0xC0), _TAIL),
+    (range(0xE1, 0xED), _TAIL, _TAIL),
+    (range(0xED, 0xEE), range(0x80, 0xA0), _TAIL),
+    (range(0xEE, 0xF0), _TAIL, _TAIL),
+    (range(0xF0, 0xF1), range(0x90, 0xC0), _TAIL, _TAIL),
+    (range(0xF1, 0xF4), _TAIL, _TAIL, _TAIL),
+    (range(0xF4, 0xF5), range(0x80, 0x90), _TAIL, _TAIL),
+)
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 
 
@@ -160,6 +172,8 @@ class _Parser:
         char = self.take()
         if char in _CLASS_ESCAPES:
             return _Bytes(_CLASS_ESCAPES[char])
+        if char in _NEGATED_ESCAPES and not in_class:
+            return _AnyChar(frozenset(_ASCII) - _NEGATED_ESCAPES[char])
         if char in _CHAR_ESCAPES:
             return _literal(_CHAR_ESCAPES[char])
         if char == "x":
@@ -178,6 +192,7 @@ class _Parser:
             self.take()
         ascii_bytes: set[int] = set()
         others: list[str] = []
+        any_non_ascii = False  # \D, \W or \S in the class: every non-ASCII character
         first = True
         while True:
             char = self.peek()
@@ -191,6 +206,10 @@ class _Parser:
             if char == "\\":
                 if self.peek() in _CLASS_ESCAPES:  # \d, \w, ... inside a class
                     ascii_bytes |= _CLASS_ESCAPES[self.take()]
+                    continue
+                if self.peek() in _NEGATED_ESCAPES:
+                    ascii_bytes |= frozenset(_ASCII) - _NEGATED_ESCAPES[self.take()]
+                    any_non_ascii = True
                     continue
                 char = _char_of(self.escape(in_class=True))
             if self.peek() == "-" and self.pattern[self.position + 1 : self.position + 2] not in ("]", ""):
@@ -210,7 +229,11 @@ class _Parser:
         if negate:
             if others:
                 raise self.fail("negated classes may only list ASCII characters")
+            if any_non_ascii:  # [^\S]: no non-ASCII character, so a set of ASCII bytes
+                return _Bytes(frozenset(_ASCII) - frozenset(ascii_bytes))
             return _AnyChar(frozenset(_ASCII) - frozenset(ascii_bytes))
+        if any_non_ascii:
+            return _AnyChar(frozenset(ascii_bytes))
         options = [_Bytes(frozenset(ascii_bytes))] if ascii_bytes else []
         options += [_literal(char) for char in others]
         if not options:
@@ -318,13 +341,12 @@ class _Nfa:
             end = self.state()
             self.edges[start].append((node.ascii, end))
             if node.non_ascii:  # lead byte, then 1-3 continuation bytes
-                continuation = frozenset(range(0x80, 0xC0))
-                for lead, count in ((range(0xC2, 0xE0), 1), (range(0xE0, 0xF0), 2), (range(0xF0, 0xF5), 3)):
+                for lead, *rest in _UTF8_SEQUENCES:
                     current = self.state()
                     self.edges[start].append((frozenset(lead), current))
-                    for index in range(count):
-                        following = end if index == count - 1 else self.state()
-                        self.edges[current].append((continuation, following))
+                    for index, allowed in enumerate(rest):
+                        following = end if index == len(rest) - 1 else self.state()
+                        self.edges[current].append((frozenset(allowed), following))
                         current = following
             return end
         if isinstance(node, _Concat):
