@@ -13,9 +13,11 @@ with a static cache + torch.compile. Everything is timed through ``model.generat
 
     tinyloop-bench                                   # default sweep (one 10-minute device command)
     tinyloop-bench --batch 1 16 64 --context 128 2048 8192 --loops 1 4 8 --bits 16 8 4 2
-    tinyloop-bench --baseline eval/results/bench-baseline.json   # exit 1 if decode fell below 0.8x the baseline
+    tinyloop-bench --baseline eval/results/bench-h200.json   # exit 1 if decode fell below 0.8x the baseline
 
-Writes OUT.json, OUT.md (the table printed on stdout) and OUT.png.
+Writes OUT.json, OUT.md (the table printed on stdout) and OUT.png (with matplotlib: the "eval" extra). Each row
+records the setup it ran with (K/V dtype, new tokens, run-ahead), and the regression check compares only rows of the
+same setup: it fails when none were comparable.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import torch
 from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopQuantConfig
 from tinyloop_hf.convert.quantize import quantize_model
 from tinyloop_hf.cuda_path import capacity_bucket
+
+from .flags import at_least, fraction
 
 GROUP_FOR_BITS = {8: None, 4: 128, 2: 64}
 
@@ -238,14 +242,19 @@ def weight_bytes(model: torch.nn.Module, linear_only: bool) -> int:
     return total
 
 
+# What a row's numbers depend on besides its key (impl, bits, loops, context, batch), with the value a row written
+# before they were recorded ran with: rows of another setup are not compared.
+SETUP_DEFAULTS = {"kv_cache_dtype": "auto", "new_tokens": 128, "run_ahead": True}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--context", type=int, nargs="+", default=[128])
-    parser.add_argument("--loops", type=int, nargs="+", default=[4])
+    parser.add_argument("--batch", type=at_least(1), nargs="+", default=[1, 16])
+    parser.add_argument("--context", type=at_least(1), nargs="+", default=[128])
+    parser.add_argument("--loops", type=at_least(1), nargs="+", default=[4])
     parser.add_argument("--bits", type=int, nargs="+", default=[16, 4], choices=[16, 8, 4, 2])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=at_least(2), default=128, help="decode rates need 2 or more")
     # A bare --peers used to parse as "no peers" and dropped the HF rows without a word: a peer list is required.
     peers = parser.add_mutually_exclusive_group()
     peers.add_argument(
@@ -262,13 +271,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         const=[],
         help="no HF peer rows (the table then has no ratios)",
     )
-    parser.add_argument("--peer-batches", type=int, nargs="+", default=None, help="batches for peers (default all)")
-    parser.add_argument("--out", type=Path, default=Path("bench"))
+    parser.add_argument("--peer-batches", type=at_least(1), nargs="+", default=None,
+                        help="batches for peers (default all)")  # fmt: skip
+    parser.add_argument("--out", type=Path, default=Path("bench"), help="output stem: OUT.json, OUT.md, OUT.png")
     parser.add_argument("--baseline", type=Path, help="regression check against this JSON (exit 1 below tolerance)")
-    parser.add_argument("--tolerance", type=float, default=0.8)
+    parser.add_argument("--tolerance", type=fraction, default=0.8, help="fraction of the baseline's decode rate")
     parser.add_argument("--no-gemv", action="store_true", help="skip the INT4 GEMV bandwidth measurement")
     parser.add_argument("--no-run-ahead", action="store_true", help="greedy decode steps wait for generate()'s host")
     args = parser.parse_args(argv)
+    if args.peer_batches is not None and not args.peers:
+        parser.error("--peer-batches selects the HF peers' batches; with --no-peers there are none")
     # The baseline is read once, before minutes of measuring: a bad file fails now, and a baseline that the run's own
     # JSON overwrites (--out at the same path) is still the old rows when the check runs.
     args.baseline_rows = None
@@ -291,6 +303,15 @@ def load_baseline(path: Path) -> list[dict]:
     key = ("impl", "bits", "loops", "context", "batch", "decode_tok_s")
     if not isinstance(rows, list) or not all(isinstance(row, dict) and all(k in row for k in key) for row in rows):
         raise ValueError(f"its 'rows' are not tinyloop-bench rows (each needs {', '.join(key)})")
+    for row in rows:
+        integers = [k for k in ("bits", "loops", "context", "batch") if type(row[k]) is not int]
+        rate = row["decode_tok_s"]
+        if not isinstance(row["impl"], str) or integers or isinstance(rate, bool) or not isinstance(rate, int | float):
+            wrong = integers + ([] if isinstance(row["impl"], str) else ["impl"])
+            wrong += [] if isinstance(rate, int | float) and not isinstance(rate, bool) else ["decode_tok_s"]
+            raise ValueError(f"a row has fields of the wrong type ({', '.join(wrong)}): {row}")
+    if not rows:
+        raise ValueError("has no rows")
     return rows
 
 
@@ -311,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict[str, Any]] = []
     extras: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    setup = {"kv_cache_dtype": args.kv_cache_dtype, "new_tokens": args.new_tokens, "run_ahead": not args.no_run_ahead}
+    json_path, table_path, plot_path = (Path(f"{args.out}{suffix}") for suffix in (".json", ".md", ".png"))
     if not args.no_gemv:
         extras["gemv"] = gemv_bandwidth()
         print("INT4 GEMV:", extras["gemv"], flush=True)
@@ -325,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     def record(row: dict[str, Any]) -> None:  # saved as it comes, so a crash later keeps what was measured
         rows.append(row)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
+        json_path.write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
 
     def measured(row: dict[str, Any], kv_bytes: int, model: Any, extra: dict[str, Any]) -> bool:
         """Measure ``row``'s configuration into it unless its K/V cannot fit on the device. One that does not fit
@@ -363,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             for context in args.context:
                 for batch in args.batch:
-                    row = {"impl": "tinyloop-cuda", "bits": bits, "loops": loops, "context": context, "batch": batch}
+                    row = {"impl": "tinyloop-cuda", "bits": bits, "loops": loops, "context": context, "batch": batch,
+                           **setup}  # fmt: skip
                     kv = (
                         batch
                         * capacity_bucket(context + args.new_tokens)
@@ -386,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             extra: dict[str, Any] = {"cache_implementation": "static"} if peer == "compile" else {}
             for context in args.context:
                 for batch in args.peer_batches if args.peer_batches is not None else args.batch:
-                    row = {"impl": f"hf-{peer}", "bits": 16, "loops": loops, "context": context, "batch": batch}
+                    row = {"impl": f"hf-{peer}", "bits": 16, "loops": loops, "context": context, "batch": batch,
+                           "new_tokens": args.new_tokens}  # fmt: skip
                     kv = batch * (context + args.new_tokens) * kv_bytes_per_token(hf_config, loops, False)
                     try:
                         if not measured(row, kv, hf, extra):
@@ -401,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
 
     table = markdown(rows, extras)
     print(table)
-    args.out.with_suffix(".json").write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
-    args.out.with_suffix(".md").write_text(table)
-    plot(rows, args.out.with_suffix(".png"))
+    json_path.write_text(json.dumps({"extras": extras, "rows": rows}, indent=1))
+    table_path.write_text(table)
+    plot(rows, plot_path)
     if args.baseline is None:
         return 0
     return regression_check(rows, args.baseline, args.tolerance, extras.get("skipped", []), args.baseline_rows)
@@ -490,15 +515,24 @@ def regression_check(
     by the host's Python speed), not this package. ``baseline``: its rows as read before the run (else read now)."""
     baseline = load_baseline(baseline_path) if baseline is None else baseline
     key = ("impl", "bits", "loops", "context", "batch")
-    failures, peer_drift = [], []
+
+    def same(a: dict, b: dict) -> bool:
+        """The same configuration, run with the same setup (a field a row lacks has its default)."""
+        if not all(a[k] == b[k] for k in key):
+            return False
+        setup = SETUP_DEFAULTS if a["impl"].startswith("tinyloop") else {"new_tokens": SETUP_DEFAULTS["new_tokens"]}
+        return all(a.get(k, default) == b.get(k, default) for k, default in setup.items())
+
+    failures, peer_drift, compared = [], [], 0
     for old in baseline:
-        lost = next((r for r in skipped if all(r[k] == old[k] for k in key)), None)
+        lost = next((r for r in skipped if same(r, old)), None)
         if lost is not None:
             baseline_rate = old["decode_tok_s"]
             line = f"{[old[k] for k in key]}: not measured ({lost['reason']}); {baseline_rate:.1f} in the baseline"
             (failures if old["impl"].startswith("tinyloop") else peer_drift).append(line)
             continue
-        new = next((r for r in rows if all(r[k] == old[k] for k in key)), None)
+        new = next((r for r in rows if same(r, old)), None)
+        compared += new is not None and old["impl"].startswith("tinyloop")
         if new is not None and new["decode_tok_s"] < tolerance * old["decode_tok_s"]:
             line = f"{[old[k] for k in key]}: {new['decode_tok_s']:.1f} < {tolerance} x {old['decode_tok_s']:.1f}"
             (failures if old["impl"].startswith("tinyloop") else peer_drift).append(line)
@@ -506,7 +540,12 @@ def regression_check(
         print("REGRESSION", line)
     for line in peer_drift:
         print("peer slower than in the baseline (machine state, not a regression):", line)
-    print(f"regression check against {baseline_path}: {'FAILED' if failures else 'ok'}")
+    if not compared and not failures:
+        print(f"regression check against {baseline_path}: FAILED, no tinyloop row of this run has a baseline row of "
+              "the same configuration and setup (impl, bits, loops, context, batch; K/V dtype, new tokens, run-ahead)")
+        return 1
+    verdict = "FAILED" if failures else "ok"
+    print(f"regression check against {baseline_path}: {verdict} ({compared} tinyloop rows compared)")
     return 1 if failures else 0
 
 

@@ -19,6 +19,8 @@ from transformers import AutoTokenizer
 from tinyloop_hf import embedded_model_path
 from tinyloop_hf.constraints.constrained import ConstrainedLogitsProcessor, compiled_constraint
 
+from .flags import at_least
+
 CASES = [
     (r" (yes|no), my lord\.", " no, my lord."),
     (r" \d{3}-\d{4}", " 555-1234"),
@@ -28,8 +30,8 @@ CASES = [
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--repeats", type=at_least(1), default=200)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
                 start = time.perf_counter()
                 processor(prefix, scores)
                 per_call.append(time.perf_counter() - start)
-        print(f"| `{pattern}` | {len(prefixes)} | {first:.1f} | {statistics.median(per_call) * 1e6:.1f} |")
+        cell = pattern.replace("|", "\\|")  # a bare | would split the Markdown cell, even in a code span
+        print(f"| `{cell}` | {len(prefixes)} | {first:.1f} | {statistics.median(per_call) * 1e6:.1f} |")
 
 
 if __name__ == "__main__":

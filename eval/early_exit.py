@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
 
+from .flags import at_least
 from .reports import write_report
 
 SETTINGS: list[dict[str, Any]] = [
@@ -50,9 +51,9 @@ def decode(model: TinyLoopForCausalLM, ids: torch.Tensor, context: int, **fields
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, default=8)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--windows", type=at_least(1), default=8)
+    parser.add_argument("--context", type=at_least(1), default=64)
+    parser.add_argument("--steps", type=at_least(1), default=96)
     parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.md and OUT.json")
     args = parser.parse_args(argv)
     directory = embedded_model_path()

@@ -1,7 +1,7 @@
 """Quantization quality table: held-out perplexity at each loop depth for 16/8/4/3/2 bits, RTN vs GPTQ.
 
-    python -m tinyloop_hf.eval.quality --model embedded --depths 1 2 4 8
-    python -m tinyloop_hf.eval.quality --model smollm2 --depths 1
+    python -m tinyloop_hf.eval.quality --model embedded --depths 1 2 4 8 --out quality-embedded
+    python -m tinyloop_hf.eval.quality --model smollm2 --depths 1 --out quality-smollm2
 
 Calibration text and held-out text default to the samples that ship with the embedded model (training split and
 held-out split of its public-domain corpus). Writes a Markdown table and a JSON file next to each other.
@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 from tinyloop_hf import TinyLoopForCausalLM, TinyLoopQuantConfig, embedded_model_path
 from tinyloop_hf.convert.quantize import quantize_model
 from tinyloop_hf.convert.report import calibration_windows, perplexity, text_windows
+
+from .flags import at_least
 
 # Group size used for each width (INT8 per output channel; smaller groups as bits drop).
 GROUPS = {8: None, 4: 128, 3: 64, 2: 32}
@@ -44,16 +46,24 @@ def main() -> None:
     parser.add_argument("--eval-text", type=Path, default=embedded_model_path() / "heldout_sample.txt")
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4, 3, 2], choices=sorted(GROUPS),
                         help="quantized widths (16 bits, the unquantized row, is always reported)")
-    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq"])
-    parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--calib-samples", type=int, default=64)
-    parser.add_argument("--calib-length", type=int, default=256)
+    parser.add_argument("--methods", nargs="+", default=["rtn", "gptq"], choices=["rtn", "gptq"])
+    parser.add_argument("--depths", type=at_least(1), nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--window", type=at_least(2), default=512)
+    parser.add_argument("--calib-samples", type=at_least(1), default=64)
+    parser.add_argument("--calib-length", type=at_least(2), default=256)
     parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.md and OUT.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch.cuda.is_available() is False on this machine")
+    for path in (args.calib, args.eval_text):
+        if not path.is_file():
+            parser.error(f"{path} is not a file")
 
     model, tokenizer, title = load(args.model)
+    too_deep = [depth for depth in args.depths if depth > model.config.max_loops]
+    if too_deep:
+        parser.error(f"--depths {too_deep}: this model runs at most max_loops={model.config.max_loops} loops")
     model.to(args.device)
     windows = text_windows(tokenizer, args.eval_text.read_text(), args.window)
     calibration = calibration_windows(tokenizer, args.calib.read_text(), args.calib_samples, args.calib_length)
@@ -76,10 +86,10 @@ def main() -> None:
             print(rows[-1], flush=True)
     tokens = windows.numel()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
+    Path(f"{args.out}.json").write_text(
         json.dumps({"model": title, "heldout_tokens": tokens, "rows": rows}, indent=1)
     )
-    args.out.with_suffix(".md").write_text(markdown(title, tokens, args.depths, rows))
+    Path(f"{args.out}.md").write_text(markdown(title, tokens, args.depths, rows))
     print(markdown(title, tokens, args.depths, rows))
 
 

@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 
 from tinyloop_hf import TinyLoopForCausalLM, embedded_model_path
 
+from .flags import at_least
+from .gpu import require_gpu
 from .reports import write_report
 
 
@@ -39,18 +41,28 @@ def timed(fn: Any, repeats: int) -> tuple[float, Any]:
     return best, result
 
 
+def _draft_tokens(text: str) -> str:
+    if text != "adaptive":
+        at_least(1)(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--draft-tokens", nargs="+", default=["2", "4", "adaptive"])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompts", type=at_least(1), default=8)
+    parser.add_argument("--prompt-length", type=at_least(1), default=32)
+    parser.add_argument("--new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--draft-loops", type=at_least(1), nargs="+", default=[1, 2, 3])
+    parser.add_argument("--draft-tokens", type=_draft_tokens, nargs="+", default=["2", "4", "adaptive"],
+                        help="numbers of draft tokens, or adaptive")  # fmt: skip
+    parser.add_argument("--repeats", type=at_least(1), default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-path", action="store_true", help="bf16 on the CUDA path (graph-replayed steps)")
     parser.add_argument("--out", type=Path, required=True, help="output stem: writes OUT.md and OUT.json")
     args = parser.parse_args(argv)
+    if args.cuda_path:  # the CUDA path runs on the GPU: --cuda-path implies --device cuda
+        require_gpu("python -m tinyloop_hf.eval.speculation --cuda-path")
+        args.device = "cuda"
     torch.manual_seed(0)
     directory = embedded_model_path()
     dtype = torch.bfloat16 if args.cuda_path else torch.float32

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from tinyloop_hf.eval import bench as bench_module
 from tinyloop_hf.eval.bench import (
     build_ours,
     kv_bytes_per_token,
+    load_baseline,
     markdown,
     ouro_config,
     parse_args,
@@ -105,7 +107,7 @@ def test_regression_check_reports_slower_peers_without_failing(tmp_path, capsys)
     assert regression_check(slower_peers, baseline, 0.8) == 0
     out = capsys.readouterr().out
     assert "REGRESSION" not in out and "['hf-eager', 16, 4, 128, 1]: 5.0 < 0.8 x 10.0" in out
-    assert out.rstrip().endswith(": ok")
+    assert out.rstrip().endswith(": ok (1 tinyloop rows compared)")
 
 
 def test_regression_check_fails_on_a_tinyloop_row_that_no_longer_fits(tmp_path, capsys):
@@ -114,7 +116,51 @@ def test_regression_check_fails_on_a_tinyloop_row_that_no_longer_fits(tmp_path, 
     ours = {key: ROWS[0][key] for key in ("impl", "bits", "loops", "context", "batch")}
     assert regression_check(ROWS[1:], baseline, 0.8, [dict(ours, reason="out of device memory")]) == 1
     assert "REGRESSION ['tinyloop-cuda', 4, 4, 128, 1]: not measured (out of device memory)" in capsys.readouterr().out
-    assert regression_check(ROWS[1:], baseline, 0.8) == 0  # a row not asked for this time is no regression
+    extra = dict(ROWS[0], batch=16)
+    baseline.write_text(json.dumps({"rows": ROWS + [extra]}))
+    assert regression_check(ROWS, baseline, 0.8) == 0  # a row not asked for this time is no regression ...
+    assert regression_check(ROWS[1:], baseline, 0.8) == 1  # ... but a run that compared no tinyloop row fails
+    assert "no tinyloop row of this run has a baseline row" in capsys.readouterr().out
+
+
+def test_regression_check_compares_only_rows_of_the_same_setup(tmp_path, capsys):
+    """An INT8-K/V run, another token count or no run-ahead is another setup: not compared with 16-bit K/V rows
+    (rows written before the setup was recorded count as the defaults)."""
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps({"rows": ROWS}))
+    for setup in ({"kv_cache_dtype": "int8"}, {"new_tokens": 64}, {"run_ahead": False}):
+        slower = [dict(ROWS[0], decode_tok_s=100.0, **setup)]
+        assert regression_check(slower, baseline, 0.8) == 1
+        assert "no tinyloop row of this run" in capsys.readouterr().out
+    same = [dict(ROWS[0], decode_tok_s=100.0, kv_cache_dtype="auto", new_tokens=128, run_ahead=True)]
+    assert regression_check(same, baseline, 0.8) == 1 and "REGRESSION" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, problem",
+    [(["--batch", "0"], "--batch: .*>= 1"), (["--context", "0"], "--context"), (["--loops", "0"], "--loops"),
+     (["--new-tokens", "1"], "--new-tokens: .*>= 2"), (["--tolerance", "nan"], "--tolerance"),
+     (["--tolerance", "80"], r"--tolerance: must be a number in \(0, 1\]"), (["--tolerance", "0"], "--tolerance"),
+     (["--no-peers", "--peer-batches", "1"], "--peer-batches")],
+)  # fmt: skip
+def test_bench_flags_are_checked_before_any_measuring(flags, problem, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse_args(flags)
+    assert stop.value.code == 2 and re.search(problem, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "row, problem",
+    [({"decode_tok_s": None}, "decode_tok_s"), ({"decode_tok_s": "300"}, "decode_tok_s"), ({"bits": "4"}, "bits")],
+)
+def test_a_baseline_with_fields_of_the_wrong_type_is_refused(row, problem, tmp_path):
+    path = tmp_path / "baseline.json"
+    path.write_text(json.dumps({"rows": [dict(ROWS[0], **row)]}))
+    with pytest.raises(ValueError, match=problem):
+        load_baseline(path)
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="has no rows"):
+        load_baseline(path)
 
 
 @pytest.mark.parametrize("group,dim", [(1, 128), (4, 64), (8, 128), (1, 16)])
@@ -317,3 +363,16 @@ def test_gpu_only_eval_tools_stop_with_one_line_without_a_gpu(module):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     want = f"python -m tinyloop_hf.eval.{module} needs a CUDA GPU (torch.cuda.is_available() is False)"
     assert done.stderr.strip() == want
+
+
+@pytest.mark.parametrize(
+    "command, problem",
+    [(["quality", "--methods", "RTN", "--out", "x"], "invalid choice: 'RTN'"),
+     (["early_exit", "--windows", "0", "--out", "x"], "--windows: must be an integer >= 1"),
+     (["speculation", "--draft-tokens", "four", "--out", "x"], "--draft-tokens: must be an integer >= 1"),
+     (["constraint_overhead", "--repeats", "0"], "--repeats: must be an integer >= 1")],
+)  # fmt: skip
+def test_cpu_eval_tools_check_their_flags_before_any_work(command, problem):
+    done = subprocess.run([sys.executable, "-m", f"tinyloop_hf.eval.{command[0]}", *command[1:]], capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 2 and problem in done.stderr and "Traceback" not in done.stderr

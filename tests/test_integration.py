@@ -131,3 +131,34 @@ def test_lm_eval_command_line_with_trust_remote_code(converted, tmp_path):
     logged = float(first["resps"][0][0][0])
     assert logged == pytest.approx(_loglikelihood(model, tokenizer, context, continuation, 2), abs=1e-4)
     assert logged != pytest.approx(_loglikelihood(model, tokenizer, context, continuation, 4), abs=1e-3)
+
+
+def test_the_offline_tasks_give_a_perfect_model_full_marks():
+    """A stand-in LM that answers every question right, as a model would (" Paris" after "Answer:"): tinyloop_gen's
+    exact match and tinyloop_mc's accuracy are 1.0, and the multiple-choice continuations carry one space."""
+    from lm_eval import simple_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.tasks import TaskManager
+
+    answers = {}
+    for line in (TASKS_DIR / "mc.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        answers[f"Question: {row['question']}\nAnswer:"] = row["choices"][row["label"]]
+    continuations = []
+
+    class Oracle(LM):
+        def generate_until(self, requests):
+            return [answers[request.args[0]] for request in requests]
+
+        def loglikelihood(self, requests):
+            continuations.extend(request.args[1] for request in requests)
+            return [(0.0 if cont == answers[ctx] else -10.0, True) for ctx, cont in (r.args for r in requests)]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError
+
+    results = simple_evaluate(model=Oracle(), tasks=["tinyloop_gen", "tinyloop_mc"],
+                              task_manager=TaskManager(include_path=str(TASKS_DIR)))["results"]  # fmt: skip
+    assert results["tinyloop_gen"]["exact_match,strip"] == 1.0
+    assert results["tinyloop_mc"]["acc,none"] == 1.0
+    assert continuations and all(c.startswith(" ") and not c.startswith("  ") for c in continuations)
