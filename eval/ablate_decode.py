@@ -220,6 +220,7 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile-gemm", action="store_true",
                         help="rows past GEMV_MAX_ROWS through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM)")
     parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
+    parser.add_argument("--tile-min-rows", type=int, help="rows from which it serves (ops_cuda.TILE_MIN_ROWS)")
     # fmt: on
 
 
@@ -232,6 +233,8 @@ def apply_switches(args: argparse.Namespace) -> None:
     ops_cuda.TILE_GEMM = args.tile_gemm or ops_cuda.TILE_GEMM
     if args.tile_warps:
         ops_cuda.TILE_WARPS = args.tile_warps
+    if args.tile_min_rows:
+        ops_cuda.TILE_MIN_ROWS = args.tile_min_rows
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:

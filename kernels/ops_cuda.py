@@ -68,8 +68,9 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
-        "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {TILE_NT}, {w}>" for b in MMA_BITS for t in types
-                               for w in ((4, 8) if full else (TILE_WARPS,)) if full or t == "__nv_bfloat16"]
+        "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {nt}, {w}>" for b in MMA_BITS for t in types
+                               for nt in TILE_NTS for w in ((4, 8) if full else (TILE_WARPS,))
+                               if full or (t == "__nv_bfloat16" and (nt == 8 or b == 4))]
         + [f"gemm_tile_reduce<{t}>" for t in types],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
@@ -295,7 +296,7 @@ def rope_epilogue_serves(rows: torch.Tensor, layers: list[Any], dim: int) -> boo
         return False
     if count == 1:
         return True
-    if count > GEMV_MAX_ROWS or dim % 16:
+    if count > GEMV_MAX_ROWS or dim % 16 or (TILE_GEMM and count >= TILE_MIN_ROWS):  # the tile kernel has no epilogue
         return False
     return _gemv_plan(layers, False, rows.dtype).mma_launches is not None
 
@@ -369,14 +370,12 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
     _check(x, "the activation")
     x = x.contiguous()
     quantized = [isinstance(layer, QuantLinear) for layer in layers]
-    if all(quantized) and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
+    tile = all(quantized) and TILE_GEMM and x.shape[0] >= TILE_MIN_ROWS and tile_gemm_serves(x, layers)
+    if all(quantized) and not tile and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
         return _gemv(x, layers, swiglu)
     if all(quantized):  # prefill: the tile kernel, or one dequantized stack and one GEMM
         bias = _stacked_bias(layers, x.dtype)
-        if TILE_GEMM and tile_gemm_serves(x, layers):
-            y = tile_gemm(x, layers, bias)
-        else:
-            y = F.linear(x, dequantize_weights(layers, x.dtype), bias)
+        y = tile_gemm(x, layers, bias) if tile else F.linear(x, dequantize_weights(layers, x.dtype), bias)
         return _swiglu(*y.split(layers[0].out_features, dim=-1)) if swiglu else y
     outputs = []
     for layer in layers:
@@ -400,15 +399,17 @@ def _stacked_bias(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor
     return torch.cat(parts).to(dtype)
 
 
-# Prompt forwards and decode batches past GEMV_MAX_ROWS through the tensor-core tile kernel (kernels/gemm_quant_tile.cu:
-# each weight dequantized in registers once per 64 tokens, the activations staged in shared memory once per CTA)
+# Prompt forwards and decode batches past GEMV_MAX_ROWS (TILE_MIN_ROWS) through the tensor-core tile kernel
+# (kernels/gemm_quant_tile.cu: each weight dequantized in registers once per 16-64 tokens, the activations staged in
+# shared memory once per CTA)
 # instead of dequantize + cuBLAS, which writes and re-reads a 16-bit copy of every weight (INT4 at batch 64 ran slower
 # than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). Written in the thirty-sixth session, when no GPU
 # was lent: it compiles (tests/test_kernels_compile.py) but has never run, so it stays off until the GPU tests
 # (tests/gpu/test_cuda_kernels.py -k tile) pass and ablate_decode --batch 64 / profile_decode --prefill measure it.
 TILE_GEMM = False
+TILE_MIN_ROWS = GEMV_MAX_ROWS + 1  # rows from which TILE_GEMM serves a projection (lower: A/B of the 16-row one)
 TILE_WARPS = 4  # warps per CTA, 16 weight rows each (8 is instantiated too, for measurements)
-TILE_NT = 8  # n-tiles of 8 tokens per CTA: 64 tokens
+TILE_NTS = (2, 4, 8)  # n-tiles of 8 tokens per CTA: 16, 32 or 64 tokens (the fewest that hold the rows; 64 past that)
 TILE_STAGES = 3  # kernels/gemm_quant_tile.cu TILE_STAGES: staged activation steps (dynamic shared memory)
 TILE_WAVES = 2  # K is split across CTAs until the grid has about this many CTAs per SM (each split >= 2 steps)
 
@@ -441,15 +442,16 @@ def tile_gemm(
     columns_per_word = _columns_per_word(fmt)
     steps = math.ceil(K // columns_per_word / 16)
     row_tiles = sum(math.ceil(layer.out_features / (16 * warps)) for layer in layers)
-    token_tiles = math.ceil(M / (8 * TILE_NT))
+    nt = next((n for n in TILE_NTS if 8 * n >= M), TILE_NTS[-1])
+    token_tiles = math.ceil(M / (8 * nt))
     if splits is None:
         wanted = math.ceil(TILE_WAVES * multiprocessors(x.device) / (row_tiles * token_tiles))
         splits = min(steps // 2, wanted)
     per_split = math.ceil(steps / min(max(1, splits), steps))
     splits = math.ceil(steps / per_split)
     partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if splits > 1 else None
-    fn = kernel("gemm_quant_tile.cu", f"gemm_quant_tile<{fmt.bits}, {cuda_type(x.dtype)}, {TILE_NT}, {warps}>")
-    shared = TILE_STAGES * 8 * TILE_NT * 2 * columns_per_word * 16
+    fn = kernel("gemm_quant_tile.cu", f"gemm_quant_tile<{fmt.bits}, {cuda_type(x.dtype)}, {nt}, {warps}>")
+    shared = TILE_STAGES * 8 * nt * 2 * columns_per_word * 16
     if shared > _SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < shared:
         fn.max_dynamic_shared_size_bytes = shared
     args = (ptr(x), i32(M), i32(K), *_matrix_arguments(layers, _PACKED_TENSORS), ptr(bias), ptr(y), ptr(partial),

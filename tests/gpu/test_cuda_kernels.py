@@ -105,7 +105,7 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
     layers = [_quant_layer(n, 576, fmt, seed=n, bias=n != 40).to(dtype) for n in (96, 40, 136)]
     weight = torch.cat([layer.dequantized_weight() for layer in layers]).float()
     bias = ops_cuda._stacked_bias(layers, dtype)
-    for rows in (33, 64, 65, 200):
+    for rows in (5, 20, 33, 64, 65, 200):  # 16, 32 and 64 tokens a CTA
         x = torch.randn(rows, 576, device="cuda", dtype=dtype)
         assert ops_cuda.tile_gemm_serves(x, layers)
         expected = x.float() @ weight.T + bias.float()

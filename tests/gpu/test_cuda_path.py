@@ -64,12 +64,15 @@ def test_cuda_path_matches_reference_path(variant, quant):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("quant", ["int4-g32", "int8", "int2-g32-head8"])
-def test_tile_kernel_prompts_and_wide_batches_match_reference_path(variant, quant, monkeypatch):
+@pytest.mark.parametrize("min_rows", [33, 2])
+def test_tile_kernel_prompts_and_wide_batches_match_reference_path(variant, quant, min_rows, monkeypatch):
     """ops_cuda.TILE_GEMM on (off by default): prompt forwards (60 rows) and 40-row decode steps, eager and
-    graph-replayed, through kernels/gemm_quant_tile.cu, against the reference path."""
+    graph-replayed, through kernels/gemm_quant_tile.cu, against the reference path; with TILE_MIN_ROWS 2 the 3-row
+    steps too (then without the QKV launch's RoPE epilogue)."""
     from tinyloop_hf.kernels import ops_cuda
 
     monkeypatch.setattr(ops_cuda, "TILE_GEMM", True)
+    monkeypatch.setattr(ops_cuda, "TILE_MIN_ROWS", min_rows)
     reference, fast = _pair(variant, QUANTS[quant])
     ids = IDS.cuda()
     with torch.no_grad():
@@ -83,6 +86,9 @@ def test_tile_kernel_prompts_and_wide_batches_match_reference_path(variant, quan
     eager = _model(variant, QUANTS[quant]).use_cuda_path(cuda_graphs=False)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(fast.generate(wide, **kwargs), eager.generate(wide, **kwargs))
+    want = decode_logits(reference, ids, 4, TinyLoopCache(reference.config))  # 3 rows
+    got = decode_logits(fast, ids, 4, fast.new_cache())
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * scale
 
 
 def test_int8_kv_cache_stays_close():
