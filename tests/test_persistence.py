@@ -104,3 +104,20 @@ def test_a_quantized_checkpoint_loads_as_the_base_model(tmp_path):
     assert type(base.loop_layers[0].mlp.up_proj).__name__ == "QuantLinear"
     with torch.no_grad():
         assert torch.equal(base(IDS).last_hidden_state, quantized.model(IDS).last_hidden_state)
+
+
+def test_accelerate_moves_a_forward_context_with_its_tensors_and_keeps_its_cache():
+    """A device map over several GPUs: accelerate's hooks send a block's arguments to its device through .to(); the
+    context's angles and mask move, its cache stays the one object every block writes."""
+    from accelerate.utils import send_to_device
+
+    from tinyloop_hf import TinyLoopCache
+    from tinyloop_hf.modeling_tinyloop import _ForwardContext
+
+    model = tiny_model("ouro")
+    cache = TinyLoopCache(model.config)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    context = _ForwardContext(torch.zeros(1, 3, 4), torch.ones(1, 3, 4), mask, False, cache, 0)
+    assert send_to_device(context, "cpu") is context
+    moved = send_to_device(context, "meta")
+    assert moved.cache is cache and moved.cos.is_meta and moved.mask.is_meta and moved.past_length == 0

@@ -71,6 +71,18 @@ class _ForwardContext:
         mask = self.mask if self.mask is None or self.mask.shape[0] == 1 else self.mask[rows]
         return replace(self, cos=self.cos[rows], sin=self.sin[rows], mask=mask, rows=rows, batch=self.cos.shape[0])
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> _ForwardContext:
+        """The context with its tensors on ``device`` and the same cache (accelerate's hooks call this when a device
+        map puts a block on another GPU than the one before it)."""
+        device = torch.device(device)
+        if self.cos.device == device:
+            return self
+
+        def moved(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
+
+        return replace(self, cos=moved(self.cos), sin=moved(self.sin), mask=moved(self.mask), rows=moved(self.rows))
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Modules
