@@ -343,3 +343,30 @@ def test_anchored_schema_patterns_mean_the_same_as_unanchored_ones():
         assert dfa.fullmatch(json.dumps(value).encode())
         assert schema_to_regex({"type": "string", "pattern": anchored}) == schema_to_regex(
             {"type": "string", "pattern": plain})
+
+
+def test_branches_this_vocabulary_cannot_finish_are_never_entered():
+    """A tokenizer without byte fallback and without '日': choices ["ab日", "cd"] must not start "ab" (a dead end for
+    it) even where the model prefers "a"; a pattern it cannot spell at all fails at the first step, by name."""
+    from tokenizers import Tokenizer, models
+    from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedTokenizerFast
+
+    from helpers import tiny_model
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None)),
+                                        eos_token="<eos>", pad_token="<eos>")  # fmt: skip
+    model = tiny_model("huginn", eos_token_id=0)
+
+    class PreferA(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores + 20 * (torch.arange(scores.shape[-1]) == vocab["a"])
+
+    ids = torch.tensor([[5, 6, 7]])
+    prefer_a = LogitsProcessorList([PreferA()])
+    common = dict(tokenizer=tokenizer, max_new_tokens=6, do_sample=False, logits_processor=prefer_a)
+    for constraint in (dict(choices=["ab日", "cd"]), dict(regex="ab日|cd")):
+        out = model.generate(ids, **common, **constraint)
+        assert out[0, 3:].tolist() == [vocab["c"], vocab["d"], 0], constraint
+    with pytest.raises(ValueError, match="dead end for this tokenizer"):
+        model.generate(ids, **common, choices=["日本"])

@@ -114,6 +114,10 @@ class CompiledConstraint:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._trie = _Trie(pieces)
+        # Every single byte a token: then each state the DFA keeps (all can still reach a match, byte by byte) can
+        # reach it token by token too. Otherwise a branch may be a dead end for this vocabulary: _live prunes it.
+        self._every_byte = len({piece for piece in pieces if piece is not None and len(piece) == 1}) == 256
+        self._live_states: dict[int, bool] = {}
         self._row_of_state: dict[int, int] = {}
         self._packed: torch.Tensor | None = None  # [states seen, words] int32, on the device of the last use
         self._bits_of_byte: torch.Tensor | None = None
@@ -153,7 +157,12 @@ class CompiledConstraint:
         return self._packed.shape[0] - 1
 
     def _allowed_tokens(self, state: int) -> list[int]:
-        found: list[int] = []
+        return [token for following, tokens in self._successors(state).items() if self._live(following)
+                for token in tokens]  # fmt: skip
+
+    def _successors(self, state: int) -> dict[int, list[int]]:
+        """The states one token leads to from ``state`` (DEAD left out), each with its tokens."""
+        found: dict[int, list[int]] = {}
         stack = [(self._trie.root, state)]
         step = self.dfa.step
         while stack:
@@ -161,10 +170,32 @@ class CompiledConstraint:
             for byte, child in children.items():
                 following = step(at, byte)
                 if following != ByteDFA.DEAD:
-                    found.extend(child[1])
+                    if child[1]:
+                        found.setdefault(following, []).extend(child[1])
                     if child[0]:
                         stack.append((child, following))
         return found
+
+    def _live(self, state: int) -> bool:
+        """Whether some sequence of tokens leads from ``state`` to a match (always, when every byte is a token)."""
+        if self._every_byte:
+            return True
+        known = self._live_states.get(state)
+        if known is not None:
+            return known
+        seen, frontier = {state}, [state]
+        while frontier:  # breadth-first over token steps, until a match or everything reachable is seen
+            at = frontier.pop()
+            if self.dfa.accepts(at) or self._live_states.get(at):
+                self._live_states[state] = True
+                return True
+            for following in self._successors(at):
+                if following not in seen and self._live_states.get(following) is not False:
+                    seen.add(following)
+                    frontier.append(following)
+        for dead in seen:  # nothing reachable from any of them matches
+            self._live_states[dead] = False
+        return False
 
     def additive_mask(self, state: int, scores: torch.Tensor) -> torch.Tensor:
         """``state``'s mask as 0 / -inf in the dtype and on the device of ``scores`` [B, V] (one add applies it):
