@@ -238,19 +238,46 @@ def _vocabulary_bytes_of(tokenizer: Any) -> list[bytes | None]:
     return vocabulary_bytes(tokenizer)
 
 
+class RecentPrefixes:
+    """A value per generated prefix (an automaton state, a grammar matcher), kept for the prefixes of the last
+    KEEP_CALLS processor calls: memory linear in the output length (all prefixes ever seen would be quadratic), and a
+    rolled-back speculative draft or a reordered beam still finds a recent ancestor to continue from."""
+
+    KEEP_CALLS = 32
+
+    def __init__(self, root: Any) -> None:
+        self._values: dict[tuple[int, ...], tuple[Any, int]] = {(): (root, 0)}
+        self._call = 0
+
+    def longest(self, prefix: tuple[int, ...]) -> tuple[int, Any]:
+        """(n, value) of the longest kept prefix ``prefix[:n]`` (the empty prefix always is)."""
+        cut = len(prefix)
+        while cut > 0 and prefix[:cut] not in self._values:
+            cut -= 1
+        return cut, self._values[prefix[:cut]][0]
+
+    def record(self, prefixes: list[tuple[int, ...]], values: list[Any]) -> None:
+        self._call += 1
+        for prefix, value in zip(prefixes, values, strict=True):
+            self._values[prefix] = (value, self._call)
+        if self._call % self.KEEP_CALLS == 0:
+            oldest = self._call - self.KEEP_CALLS
+            self._values = {p: entry for p, entry in self._values.items() if entry[1] > oldest or not p}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class ConstrainedLogitsProcessor(LogitsProcessor):
     """Masks every token that would leave the pattern; end-of-sequence only where the text so far matches. One per
-    generate() call (it records the prompt length and the states of the prefixes of its last two calls).
+    generate() call (it records the prompt length and the states of recent prefixes: RecentPrefixes).
 
     A row generate() has stopped (an end token, stop_strings, a stopping criterion) is padded with ``pad_token_id``:
     a pad token the pattern cannot take ends the row instead of failing it."""
 
     def __init__(self, compiled: CompiledConstraint, pad_token_id: int | None = None) -> None:
         self.compiled, self.pad_token_id = compiled, pad_token_id
-        # Prefixes (generated tokens) -> automaton state, of the last two calls only: memory stays linear in the
-        # output length; a rolled-back draft or a reordered beam re-walks from its longest known prefix.
-        self._known: dict[tuple[int, ...], int] = {(): compiled.dfa.start}
-        self._previous: dict[tuple[int, ...], int] = {}
+        self.states = RecentPrefixes(compiled.dfa.start)
         self.prompt_length: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -258,18 +285,13 @@ class ConstrainedLogitsProcessor(LogitsProcessor):
             self.prompt_length = input_ids.shape[1]
         prefixes = [tuple(tokens) for tokens in input_ids[:, self.prompt_length :].tolist()]
         states = [self._state(prefix) for prefix in prefixes]
-        self._previous = self._known
-        self._known = {(): self.compiled.dfa.start, **dict(zip(prefixes, states, strict=True))}
+        self.states.record(prefixes, states)
         masks = [self.compiled.additive_mask(state, scores) for state in states]
         return scores + (masks[0] if len(masks) == 1 else torch.stack(masks))
 
     def _state(self, prefix: tuple[int, ...]) -> int:
-        """The automaton state after ``prefix``: from the longest prefix of it seen in the last two calls."""
-        cut = len(prefix)
-        while cut > 0 and prefix[:cut] not in self._known and prefix[:cut] not in self._previous:
-            cut -= 1
-        known = prefix[:cut]
-        state = self._known[known] if known in self._known else self._previous.get(known, self.compiled.dfa.start)
+        """The automaton state after ``prefix``: from its longest recent prefix, walking the tokens after it."""
+        cut, state = self.states.longest(prefix)
         for token in prefix[cut:]:
             state = self._advance(state, token)
         return state

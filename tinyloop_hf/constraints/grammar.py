@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from .constrained import RecentPrefixes
+
 
 def _xgrammar() -> Any:
     try:
@@ -54,16 +56,14 @@ def check_grammar(grammar: Any) -> None:
 
 
 class GrammarLogitsProcessor(LogitsProcessor):
-    """Masks the tokens the grammar does not allow after each row's generated prefix. Matchers are kept for the
-    prefixes of the last two calls only (memory linear in the output length), and a row generate() has stopped and
-    pads with ``pad_token_id`` ends there instead of failing the grammar."""
+    """Masks the tokens the grammar does not allow after each row's generated prefix. Matchers are kept for recent
+    prefixes only (RecentPrefixes: memory linear in the output length), and a row generate() has stopped and pads
+    with ``pad_token_id`` ends there instead of failing the grammar."""
 
     def __init__(self, compiled: Any, vocab_size: int, pad_token_id: int | None = None) -> None:
         xgrammar = _xgrammar()
         self._xgrammar, self.vocab_size, self.pad_token_id = xgrammar, vocab_size, pad_token_id
-        self._compiled = compiled
-        self._matchers: dict[tuple[int, ...], Any] = {(): xgrammar.GrammarMatcher(compiled)}
-        self._previous: dict[tuple[int, ...], Any] = {}
+        self.matchers = RecentPrefixes(xgrammar.GrammarMatcher(compiled))
         self.prompt_length: int | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -71,8 +71,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
             self.prompt_length = input_ids.shape[1]
         prefixes = [tuple(row) for row in input_ids[:, self.prompt_length :].tolist()]
         matchers = [self._matcher(prefix) for prefix in prefixes]
-        self._previous, self._matchers = self._matchers, dict(zip(prefixes, matchers, strict=True))
-        self._matchers.setdefault((), self._previous[()])
+        self.matchers.record(prefixes, matchers)
         bitmask = self._xgrammar.allocate_token_bitmask(len(prefixes), self.vocab_size)
         constrained = []
         for index, matcher in enumerate(matchers):
@@ -87,18 +86,12 @@ class GrammarLogitsProcessor(LogitsProcessor):
         return scores
 
     def _matcher(self, prefix: tuple[int, ...]) -> Any:
-        """The matcher after ``prefix`` (None once the row has ended): forked from the longest prefix of it seen in
-        the last two calls, then fed the rest."""
-        cut = len(prefix)
-        while cut > 0 and prefix[:cut] not in self._matchers and prefix[:cut] not in self._previous:
-            cut -= 1
-        known = prefix[:cut]
-        matcher = self._matchers[known] if known in self._matchers else self._previous.get(known)
-        if cut == 0 and matcher is None:
-            matcher = self._xgrammar.GrammarMatcher(self._compiled)
+        """The matcher after ``prefix`` (None once the row has ended): a fork of its longest recent prefix's, fed the
+        tokens after it (the kept matcher is never advanced itself)."""
+        cut, matcher = self.matchers.longest(prefix)
         if matcher is None or cut == len(prefix):
             return matcher
-        matcher = matcher.fork()  # the known prefix's matcher stays as it is
+        matcher = matcher.fork()
         for token in prefix[cut:]:
             if matcher.is_terminated():
                 return None
