@@ -53,8 +53,14 @@ def test_offloaded_blocks_run_and_equal_the_resident_model(variant, tmp_path):
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(variant, reentrant):
     plain, checkpointed = tiny_model(variant).train(), tiny_model(variant).train()
     checkpointed.load_state_dict(plain.state_dict())
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    assert checkpointed.is_gradient_checkpointing
+    # transformers renamed gradient_* to activation_* (the old names warn on newer releases; 5.17 has only them).
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(type(checkpointed), "activation_checkpointing_enable"):
+        checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        assert checkpointed.is_activation_checkpointing
+    else:
+        checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        assert checkpointed.is_gradient_checkpointing
     want = plain(IDS, labels=IDS)
     want.loss.backward()
     recomputed = []
