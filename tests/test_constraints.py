@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, pipeline
 
 from tinyloop_hf import embedded_model_path
 from tinyloop_hf.constraints import ByteDFA, RegexError, SchemaError, schema_to_regex
@@ -161,6 +161,7 @@ def test_constraint_from_generation_config_and_pipeline(embedded, tmp_path):
         ids = tokenizer(PROMPT, return_tensors="pt").input_ids
         out = reloaded.generate(ids, max_new_tokens=5, do_sample=False)  # the checkpoint's own tokenizer files
         assert _text(tokenizer, out[0], ids.shape[1]) in (" yes", " no")
+        assert reloaded._own_tokenizer() is reloaded._own_tokenizer()  # loaded once: the compiled masks are reused
         generator = pipeline("text-generation", model=reloaded, tokenizer=tokenizer)
         text = generator(PROMPT, max_new_tokens=5, do_sample=False, return_full_text=False)[0]["generated_text"]
         assert text in (" yes", " no")
@@ -373,3 +374,31 @@ def test_branches_this_vocabulary_cannot_finish_are_never_entered():
         assert out[0, 3:].tolist() == [vocab["c"], vocab["d"], 0], constraint
     with pytest.raises(ValueError, match="dead end for this tokenizer"):
         model.generate(ids, **common, choices=["日本"])
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_min_new_tokens_past_a_complete_match_fails_clearly(embedded, do_sample):
+    """min_new_tokens masks the end token, the only one a complete match allows: greedy would pick id 0 (the pad,
+    ending the constraint) and sampling fail on NaN probabilities without the check."""
+    model, tokenizer = embedded
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with pytest.raises(ValueError, match="masked by another logits processor"):
+        model.generate(ids, max_new_tokens=8, min_new_tokens=6, do_sample=do_sample, tokenizer=tokenizer,
+                       choices=[" yes", " no"])  # fmt: skip
+
+
+def test_assisted_decoding_keeps_the_constraint_and_each_models_own_depth(embedded):
+    """The assistant gets the target's constraint processor (not its own, which would need a tokenizer) and its
+    own loop depth; a plain transformers assistant gets no TinyLoop keyword. Greedy assisted decoding is exact."""
+    model, tokenizer = embedded
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    pattern = r" [a-z]+ (and|or) [a-z]+\."
+    kwargs = dict(max_new_tokens=16, do_sample=False, tokenizer=tokenizer, regex=pattern, num_loops=2)
+    plain = model.generate(ids, **kwargs)
+    assert re.fullmatch(pattern, _text(tokenizer, plain[0], ids.shape[1]))
+    assert torch.equal(model.generate(ids, assistant_model=model, **kwargs), plain)
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    llama.generation_config.eos_token_id = model.generation_config.eos_token_id
+    assert torch.equal(model.generate(ids, assistant_model=llama, **kwargs), plain)

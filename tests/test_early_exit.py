@@ -120,6 +120,17 @@ def test_warmup_schedule_decodes_the_first_tokens_shallower():
     )
 
 
+def test_warmup_schedule_counts_from_the_whole_prompt_when_it_is_prefilled_in_chunks():
+    model = _model()
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, warmup_tokens=2, warmup_loops=1)
+    counts = _count_loop_passes(model)
+    want = model.generate(IDS[:1], **kwargs)
+    whole = sum(counts)
+    counts.clear()
+    assert torch.equal(model.generate(IDS[:1], prefill_chunk_size=3, **kwargs), want)
+    assert sum(counts) == whole  # every chunk at full depth, then the same steps
+
+
 def test_warmup_schedule_on_the_paged_cache_fills_the_deeper_slots():
     """The CUDA path's paged cache: a shallow step's deeper loop slots take its last loop's K/V (copied page rows),
     so the schedule's tokens and every slot's K/V equal the dynamic cache's."""
@@ -182,6 +193,11 @@ def test_fields_survive_save_and_reload(tmp_path):
         (dict(exit_threshold=1.5), r"exit_threshold must be None or a number in \[0, 1\], got 1.5"),
         (dict(exit_threshold=True), r"exit_threshold must be None or a number in \[0, 1\], got True"),
         (dict(exit_at_step=True), r"exit_at_step must be an integer in \[0, num_loops - 1 = 3\], got True"),
+        (dict(early_exit="state_delta", early_exit_threshold=float("nan")), "must be a positive number, finite"),
+        (dict(use_weighted_exit="false"), "use_weighted_exit must be True, False or None, got 'false'"),
+        (dict(warmup_tokens=2, warmup_loops=1, exit_at_step=2), "do not pass exit_at_step"),
+        (dict(warmup_tokens=2, warmup_loops=1, prompt_lookup_num_tokens=2), "assisted decoding"),
+        (dict(early_exit="gate", early_exit_threshold=0.5, prompt_lookup_num_tokens=2), "assisted decoding"),
     ],
 )
 def test_bad_settings_fail_with_the_field_and_allowed_values(kwargs, match):

@@ -46,6 +46,8 @@ class TinyLoopGenerationMixin(GenerationMixin):
             )
         called = [field for field in CONSTRAINT_FIELDS if kwargs.get(field) is not None]
         generation_config, model_kwargs = super()._prepare_generation_config(generation_config, *args, **kwargs)
+        if getattr(generation_config, "is_assistant", False):
+            self._own_decoding_fields(generation_config)
         for field in SPECULATION_FIELDS + SCHEDULE_FIELDS + CONSTRAINT_FIELDS:  # decoding settings, not forward()
             if model_kwargs.get(field) is not None:  # arguments: kept on the call's config
                 setattr(generation_config, field, model_kwargs.pop(field))
@@ -65,10 +67,19 @@ class TinyLoopGenerationMixin(GenerationMixin):
         loops = full_depth(self, model_kwargs)
         loops = loops.tolist() if isinstance(loops, torch.Tensor) else loops
         check_speculation_fields(generation_config, loops, self.config.max_loops)
-        schedule = self._loop_schedule(generation_config, loops)
+        schedule = self._loop_schedule(generation_config, loops, model_kwargs.get("exit_at_step"))
         if schedule is not None:
             model_kwargs["loop_schedule"] = schedule
         return generation_config, model_kwargs
+
+    def _own_decoding_fields(self, generation_config: GenerationConfig) -> None:
+        """As another model's assistant, this model gets a copy of the target's generation config: its loop fields
+        are this model's own again, and the target's decoding fields are dropped (the target's constraint processor
+        is in the logits processors handed over; speculation and warm-up schedules are the target's business)."""
+        for field in LOOP_GENERATION_FIELDS:
+            setattr(generation_config, field, getattr(self.generation_config, field, None))
+        for field in SPECULATION_FIELDS + SCHEDULE_FIELDS + CONSTRAINT_FIELDS:
+            setattr(generation_config, field, None)
 
     def _extract_generation_mode_kwargs(self, custom_generate: Any, kwargs: dict[str, Any], *args: Any) -> Any:
         # generate(tokenizer=...) is taken here, before the logits processors are built: keep it for the constraint.
@@ -78,6 +89,9 @@ class TinyLoopGenerationMixin(GenerationMixin):
     def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
         """The constraint (regex / json_schema / choices / grammar) runs first among the user's processors: before
         the sampling warpers, so top-k / top-p only see allowed tokens."""
+        given = kwargs.get("logits_processor") or []
+        if any(isinstance(p, CONSTRAINT_PROCESSORS) for p in given):  # an assistant gets the target's processors
+            return super()._get_logits_processor(generation_config, *args, **kwargs)
         processor = self._constraint_processor(generation_config)
         if processor is not None:
             kwargs["logits_processor"] = LogitsProcessorList([processor, *(kwargs.get("logits_processor") or [])])
@@ -106,18 +120,27 @@ class TinyLoopGenerationMixin(GenerationMixin):
         return ConstrainedLogitsProcessor(compiled_constraint(pattern, tokenizer, eos, vocab), pad)
 
     def _own_tokenizer(self) -> Any:
+        """The tokenizer saved beside the weights, loaded once per model (the compiled constraints are cached per
+        tokenizer object, so a fresh one every call would recompile them)."""
         from transformers import AutoTokenizer
 
         source = getattr(self, "name_or_path", "") or ""
+        loaded = self.__dict__.get("_loaded_tokenizer")
+        if loaded is not None and loaded[0] == source:
+            return loaded[1]
         try:
-            return AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as error:
             raise ValueError(
                 "regex / json_schema / choices need the tokenizer: pass generate(tokenizer=...) (this model has no "
                 f"tokenizer files at {source!r})"
             ) from error
+        self.__dict__["_loaded_tokenizer"] = (source, tokenizer)
+        return tokenizer
 
-    def _loop_schedule(self, generation_config: GenerationConfig, full_loops: Any) -> dict[str, Any] | None:
+    def _loop_schedule(
+        self, generation_config: GenerationConfig, full_loops: Any, exit_at_step: Any
+    ) -> dict[str, Any] | None:
         """warmup_tokens / warmup_loops: the first warmup_tokens generated tokens are decoded at warmup_loops loops
         (the prompt itself runs every loop; the first token is read from its state at warmup_loops), the rest at
         full depth. Loops a warm-up token skipped reuse its last computed loop's K/V."""
@@ -140,7 +163,22 @@ class TinyLoopGenerationMixin(GenerationMixin):
             raise ValueError(f"warmup_loops must be an integer in [1, num_loops={full_loops}], got {loops!r}")
         if getattr(generation_config, "draft_loops", None) is not None:
             raise ValueError("warmup_tokens / warmup_loops cannot be combined with draft_loops")
-        return {"tokens": tokens, "loops": loops, "prompt_length": None}
+        if exit_at_step is not None:
+            raise ValueError("warmup_tokens / warmup_loops choose the depth of each step; do not pass exit_at_step")
+        return {"tokens": tokens, "loops": loops, "prompt_length": None, "prefilling": False}
+
+    def _prefill(self, input_ids: torch.LongTensor, generation_config: GenerationConfig, model_kwargs: dict[str, Any],
+                 *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        """The prompt forward, in prefill_chunk_size chunks or whole: a loop schedule counts generated tokens from
+        the whole prompt's length, and each chunk runs every loop."""
+        schedule = model_kwargs.get("loop_schedule")
+        if schedule is None:
+            return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        schedule["prompt_length"], schedule["prefilling"] = input_ids.shape[1], True
+        try:
+            return super()._prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            schedule["prefilling"] = False
 
     def prepare_inputs_for_generation(
         self,
@@ -154,15 +192,14 @@ class TinyLoopGenerationMixin(GenerationMixin):
         for name in ("tokenizer", "assistant_tokenizer"):  # generate() hands these to the decoding loop, not forward
             kwargs.pop(name, None)
         inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
-        if loop_schedule is not None:
-            if loop_schedule["prompt_length"] is None:
+        if loop_schedule is not None and loop_schedule["tokens"]:
+            first = loop_schedule["prompt_length"] is None
+            if first:  # a decoding mode without _prefill: this call is the prompt's
                 loop_schedule["prompt_length"] = input_ids.shape[1]
-            generated = input_ids.shape[1] - loop_schedule["prompt_length"]
-            if generated < loop_schedule["tokens"]:
-                if generated == 0:  # the prompt runs every loop; its first token is read at the warm-up depth
-                    inputs["exit_at_step"] = loop_schedule["loops"] - 1
-                else:
-                    inputs["num_loops"] = loop_schedule["loops"]
+            if first or loop_schedule["prefilling"]:  # the prompt runs every loop; its next token is read at the
+                inputs["exit_at_step"] = loop_schedule["loops"] - 1  # warm-up depth
+            elif input_ids.shape[1] - loop_schedule["prompt_length"] < loop_schedule["tokens"]:
+                inputs["num_loops"] = loop_schedule["loops"]
         return inputs
 
     def _sample(
@@ -194,8 +231,21 @@ class TinyLoopGenerationMixin(GenerationMixin):
         )
 
     def _get_candidate_generator(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any) -> Any:
+        """Assisted decoding (assistant_model, prompt_lookup_num_tokens) verifies several tokens per forward at one
+        depth: per-step depths (a warm-up schedule, early exit) would change its output, so they are refused. The
+        loop fields are this model's, not the assistant's (it keeps its own)."""
         if getattr(generation_config, "draft_loops", None) is not None:
             raise ValueError("draft_loops drafts with the model itself; do not pass an assistant_model as well")
+        model_kwargs = kwargs.get("model_kwargs", {})
+        for name, field in (("loop_schedule", "warmup_tokens / warmup_loops"), ("early_exit", "early_exit")):
+            if model_kwargs.get(name) is not None:
+                raise ValueError(
+                    f"{field} sets a depth per decode step, which assisted decoding (assistant_model / "
+                    "prompt_lookup_num_tokens) cannot keep: it verifies several tokens in one forward"
+                )
+        if "model_kwargs" in kwargs:
+            skip = set(LOOP_GENERATION_FIELDS) | {"loop_schedule"}
+            kwargs["model_kwargs"] = {key: value for key, value in model_kwargs.items() if key not in skip}
         return super()._get_candidate_generator(generation_config, *args, **kwargs)
 
     def _prepare_cache_for_generation(

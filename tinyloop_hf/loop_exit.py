@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +66,8 @@ class EarlyExit:
         """Fails naming the field and the allowed values; "kl" needs ``read_logits`` (the LM head)."""
         if criterion not in EARLY_EXIT_CRITERIA:
             raise ValueError(f"early_exit must be one of {list(EARLY_EXIT_CRITERIA)}, got {criterion!r}")
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0:
-            raise ValueError(f"early_exit_threshold must be a positive number for early_exit={criterion!r}, got "
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < math.inf:
+            raise ValueError(f"early_exit_threshold must be a positive number, finite, for early_exit={criterion!r}, got "
                              f"{threshold!r}")  # fmt: skip
         if criterion == "gate" and (threshold > 1 or not exit_gate):
             raise ValueError(

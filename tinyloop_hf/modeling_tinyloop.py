@@ -818,6 +818,8 @@ class TinyLoopForCausalLM(TinyLoopPreTrainedModel, TinyLoopGenerationMixin):
     def _weighted_exit(
         self, use_weighted_exit: bool | None, labels: Any, exit_at_step: int | None, exit_threshold: float | None
     ) -> bool:
+        if use_weighted_exit is not None and not isinstance(use_weighted_exit, bool):
+            raise ValueError(f"use_weighted_exit must be True, False or None, got {use_weighted_exit!r}")
         if exit_at_step is not None or exit_threshold is not None:
             return False
         if use_weighted_exit is None:  # training default (Ouro): the expected logits where the model allows them

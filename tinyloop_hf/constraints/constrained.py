@@ -238,6 +238,21 @@ def _vocabulary_bytes_of(tokenizer: Any) -> list[bytes | None]:
     return vocabulary_bytes(tokenizer)
 
 
+def check_some_token_allowed(scores: torch.Tensor, rows: list[int]) -> None:
+    """Fails when a constrained row has no token left: the constraint's allowed tokens were all masked by a logits
+    processor before it (greedy would then pick id 0, sampling fail on NaN probabilities)."""
+    if not rows:
+        return
+    dead = torch.isneginf(scores[rows]).all(dim=-1)
+    if bool(dead.any()):
+        row = rows[int(dead.nonzero()[0])]
+        raise ValueError(
+            f"row {row}: every token the constraint allows here was masked by another logits processor (typically "
+            "min_new_tokens / min_length forbidding the end token once the constraint is complete, or "
+            "suppress_tokens / bad_words_ids): lower min_new_tokens or let the pattern run longer"
+        )
+
+
 class RecentPrefixes:
     """A value per generated prefix (an automaton state, a grammar matcher), kept for the prefixes of the last
     KEEP_CALLS processor calls: memory linear in the output length (all prefixes ever seen would be quadratic), and a
@@ -287,7 +302,9 @@ class ConstrainedLogitsProcessor(LogitsProcessor):
         states = [self._state(prefix) for prefix in prefixes]
         self.states.record(prefixes, states)
         masks = [self.compiled.additive_mask(state, scores) for state in states]
-        return scores + (masks[0] if len(masks) == 1 else torch.stack(masks))
+        scores = scores + (masks[0] if len(masks) == 1 else torch.stack(masks))
+        check_some_token_allowed(scores, [row for row, state in enumerate(states) if state != _FINISHED])
+        return scores
 
     def _state(self, prefix: tuple[int, ...]) -> int:
         """The automaton state after ``prefix``: from its longest recent prefix, walking the tokens after it."""

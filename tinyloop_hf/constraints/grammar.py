@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .constrained import RecentPrefixes
+from .constrained import RecentPrefixes, check_some_token_allowed
 
 
 def _xgrammar() -> Any:
@@ -83,6 +83,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
         scores = scores.clone()
         self._xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device), vocab_size=self.vocab_size,
                                                    indices=constrained)  # fmt: skip
+        check_some_token_allowed(scores, constrained)
         return scores
 
     def _matcher(self, prefix: tuple[int, ...]) -> Any:
