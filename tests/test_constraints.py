@@ -398,7 +398,7 @@ def test_assisted_decoding_keeps_the_constraint_and_each_models_own_depth(embedd
     assert re.fullmatch(pattern, _text(tokenizer, plain[0], ids.shape[1]))
     assert torch.equal(model.generate(ids, assistant_model=model, **kwargs), plain)
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=model.config.vocab_size, num_key_value_heads=2, **shape))
     llama.generation_config.eos_token_id = model.generation_config.eos_token_id
     assert torch.equal(model.generate(ids, assistant_model=llama, **kwargs), plain)

@@ -43,9 +43,12 @@ def test_a_growing_cache_doubles_its_storage_instead_of_copying_at_every_token(m
     cache = PagedTinyLoopCache(model.config, capacity=8)
     capacities = []
     allocate = PagedTinyLoopCache._allocate
-    monkeypatch.setattr(PagedTinyLoopCache, "_allocate",
-                        lambda self, batch, capacity, *args: capacities.append(capacity) or allocate(self, batch,
-                                                                                                    capacity, *args))  # fmt: skip
+
+    def recording(self, batch, capacity, *args):
+        capacities.append(capacity)
+        return allocate(self, batch, capacity, *args)
+
+    monkeypatch.setattr(PagedTinyLoopCache, "_allocate", recording)
     ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(2))
     assert torch.equal(_decode(model, cache, ids, 5), _decode(model, TinyLoopCache(model.config), ids, 5))
     assert capacities == [8, 16, 32, 64, 128]

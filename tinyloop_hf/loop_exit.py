@@ -67,8 +67,8 @@ class EarlyExit:
         if criterion not in EARLY_EXIT_CRITERIA:
             raise ValueError(f"early_exit must be one of {list(EARLY_EXIT_CRITERIA)}, got {criterion!r}")
         if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 < threshold < math.inf:
-            raise ValueError(f"early_exit_threshold must be a positive number, finite, for early_exit={criterion!r}, got "
-                             f"{threshold!r}")  # fmt: skip
+            raise ValueError(f"early_exit_threshold must be a positive number, finite, for early_exit={criterion!r}, "
+                             f"got {threshold!r}")  # fmt: skip
         if criterion == "gate" and (threshold > 1 or not exit_gate):
             raise ValueError(
                 "early_exit='gate' needs a model with an exit gate (TinyLoopConfig.exit_gate=True) and "
