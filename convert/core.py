@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from transformers import GenerationConfig
 
 from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM, TinyLoopQuantConfig
+from tinyloop_hf.configuration_tinyloop import is_int
 from tinyloop_hf.ops_tinyloop import rope_angles
 
 from .formats import ConversionError, SourceFormat, Tensors, source_format
@@ -78,6 +80,8 @@ def _read_gguf(directory: Path, gguf_file: str) -> Source:
     """GGUF files are dequantized by transformers (needs the gguf package) into a Llama/Qwen2 state dict."""
     from transformers import AutoModelForCausalLM
 
+    if not (directory / gguf_file).is_file():
+        raise ConversionError(f"--gguf-file {gguf_file!r}: no such file in {str(directory)!r}")
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
     source = source_from_model(model)
     source.directory, source.gguf_file = directory, gguf_file
@@ -93,6 +97,10 @@ def source_from_model(model: Any) -> Source:
 
 
 def tinyloop_config(source: Source, **overrides: Any) -> TinyLoopConfig:
+    fields = set(inspect.signature(TinyLoopConfig.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConversionError(f"unknown TinyLoopConfig fields {unknown}; allowed: {sorted(fields)}")
     kwargs = source.format.config(source.config)
     kwargs.update({key: value for key, value in overrides.items() if value is not None})
     return TinyLoopConfig(**kwargs)
@@ -156,17 +164,32 @@ def build_model(source: Source, dtype: torch.dtype | None = None, **overrides: A
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
-    model.generation_config = generation_config(source, config)
+    model.generation_config = generation_config(source, config, depth_given=overrides.get("num_loops") is not None)
     return model.eval()
 
 
-def generation_config(source: Source, config: TinyLoopConfig) -> GenerationConfig:
-    """The source's generation settings (token ids filled from the config), saved with custom fields kept."""
+# Loop depths a generation config may hold: (field, lowest value, offset from max_loops of the highest).
+_DEPTH_FIELDS = (("num_loops", 1, 0), ("draft_loops", 1, 0), ("warmup_loops", 1, 0), ("exit_at_step", 0, -1))
+
+
+def generation_config(source: Source, config: TinyLoopConfig, depth_given: bool = False) -> GenerationConfig:
+    """The source's generation settings (token ids filled from the config), saved with custom fields kept. A depth
+    given to the conversion (num_loops) replaces the source generation config's; its depths must fit max_loops."""
     values = {
         key: value
         for key, value in (source.generation or {}).items()
         if not key.startswith("_") and key != "transformers_version"
     }
+    if depth_given:
+        values.pop("num_loops", None)
+    for field, lowest, offset in _DEPTH_FIELDS:
+        value = values.get(field)
+        depths = value if isinstance(value, list) else [value]
+        if value is not None and not all(is_int(d) and lowest <= d <= config.max_loops + offset for d in depths):
+            raise ConversionError(
+                f"the source's generation_config.{field}={value!r} does not fit the converted model: it must be in "
+                f"[{lowest}, {config.max_loops + offset}] (max_loops={config.max_loops}); pass a larger --max-loops"
+            )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if values.get(key) is None and getattr(config, key) is not None:
             values[key] = getattr(config, key)

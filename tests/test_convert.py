@@ -404,3 +404,25 @@ def test_bad_arguments_fail_before_any_work_naming_the_flag(tmp_path, capsys, fl
         convert_main([str(tmp_path / "missing-src"), str(tmp_path / "dst"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_depth_given_to_the_conversion_replaces_the_source_generation_configs(tmp_path):
+    source = _copy_source("ouro-tiny", tmp_path)
+    (source / "generation_config.json").write_text(json.dumps({"num_loops": 2, "draft_loops": 1}))
+    model = build_model(read_source(source), num_loops=3)
+    assert (model.config.num_loops, getattr(model.generation_config, "num_loops", None)) == (3, None)
+    assert model.generation_config.draft_loops == 1  # the rest is kept
+    (source / "generation_config.json").write_text(json.dumps({"num_loops": 8}))
+    with pytest.raises(ConversionError, match=r"generation_config.num_loops=8 .* \[1, 4\] \(max_loops=4\)"):
+        build_model(read_source(source), max_loops=4)
+
+
+def test_unknown_override_fields_and_a_missing_gguf_file_are_refused(tmp_path):
+    source = _copy_source("ouro-tiny", tmp_path)
+    with pytest.raises(ConversionError, match=r"unknown TinyLoopConfig fields \['num_lops'\]"):
+        convert_checkpoint(source, tmp_path / "dst", num_lops=4)
+    with pytest.raises(ValueError, match="TinyLoopConfig.num_loops must be an integer >= 1, got '4'"):
+        build_model(read_source(source), num_loops="4")
+    with pytest.raises(ConversionError, match="--gguf-file 'nope.gguf': no such file"):
+        read_source(source, "nope.gguf")
+    assert not (tmp_path / "dst").exists()

@@ -210,6 +210,7 @@ class TinyLoopConfig(PreTrainedConfig):
         for field in ("num_prelude_layers", "num_coda_layers"):
             value = getattr(self, field)
             _require(is_int(value) and value >= 0, field, "an integer >= 0", value)
+        _require(is_int(self.num_loops) and self.num_loops >= 1, "num_loops", "an integer >= 1", self.num_loops)
         _require(is_int(self.max_loops) and self.max_loops >= 1, "max_loops", "an integer >= 1", self.max_loops)
         _require(
             is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops,

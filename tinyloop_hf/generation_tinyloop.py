@@ -142,8 +142,9 @@ class TinyLoopGenerationMixin(GenerationMixin):
         self, generation_config: GenerationConfig, full_loops: Any, exit_at_step: Any
     ) -> dict[str, Any] | None:
         """warmup_tokens / warmup_loops: the first warmup_tokens generated tokens are decoded at warmup_loops loops
-        (the prompt itself runs every loop; the first token is read from its state at warmup_loops), the rest at
-        full depth. Loops a warm-up token skipped reuse its last computed loop's K/V."""
+        (the prompt itself runs every loop; the first token is read from its state at warmup_loops, and so are the
+        prompt's coda and coda K/V where the model has a coda), the rest at full depth. Loops a warm-up token skipped
+        reuse its last computed loop's K/V."""
         tokens = getattr(generation_config, "warmup_tokens", None)
         loops = getattr(generation_config, "warmup_loops", None)
         if tokens is None and loops is None:
