@@ -103,6 +103,7 @@ def ouro_config(config: dict[str, Any]) -> dict[str, Any]:
     converted = llama_config({**config, "model_type": "ouro", "attention_bias": False})
     converted.update(
         num_loops=int(_get(config, "total_ut_steps", "ouro")),
+        trained_loops=int(_get(config, "total_ut_steps", "ouro")),
         block_norm="sandwich",
         final_norm="every_loop",
         exit_gate=True,

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from helpers import tiny_config
-from tinyloop_hf import TinyLoopConfig
+from tinyloop_hf import TinyLoopConfig, TinyLoopForCausalLM
 
 
 @pytest.mark.parametrize(
@@ -30,6 +31,7 @@ from tinyloop_hf import TinyLoopConfig
         ("exit_threshold", 0.5, "exit_threshold must be None when exit_gate is False"),
         ("initial_state_std", 0, "initial_state_std must be a number > 0"),
         ("vocab_size", "big", "vocab_size must be an integer >= 1"),
+        ("trained_loops", 0, "trained_loops must be None or an integer >= 1, got 0"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -95,3 +97,23 @@ def test_save_refuses_a_field_edited_to_a_value_loading_would_refuse(tmp_path):
     with pytest.raises(ValueError, match="num_loops must be"):
         config.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_a_depth_past_the_trained_one_warns_once(caplog):
+    import logging as std_logging
+
+    from transformers.utils import logging
+
+    model = TinyLoopForCausalLM(tiny_config("ouro", trained_loops=2))
+    ids = torch.tensor([[1, 2, 3]])
+    root = logging.get_logger("transformers")
+    propagate, root.propagate = root.propagate, True  # transformers' loggers do not reach caplog otherwise
+    try:
+        with caplog.at_level(std_logging.WARNING):
+            model(ids, num_loops=2)
+            assert "deeper than this checkpoint was trained at" not in caplog.text
+            model(ids, num_loops=3)
+            model(ids, num_loops=3)
+    finally:
+        root.propagate = propagate
+    assert caplog.text.count("num_loops=3 is deeper than this checkpoint was trained at (trained_loops=2)") == 1

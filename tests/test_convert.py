@@ -411,6 +411,7 @@ def test_a_depth_given_to_the_conversion_replaces_the_source_generation_configs(
     (source / "generation_config.json").write_text(json.dumps({"num_loops": 2, "draft_loops": 1}))
     model = build_model(read_source(source), num_loops=3)
     assert (model.config.num_loops, getattr(model.generation_config, "num_loops", None)) == (3, None)
+    assert model.config.trained_loops == json.loads((source / "config.json").read_text())["total_ut_steps"]
     assert model.generation_config.draft_loops == 1  # the rest is kept
     (source / "generation_config.json").write_text(json.dumps({"num_loops": 8}))
     with pytest.raises(ConversionError, match=r"generation_config.num_loops=8 .* \[1, 4\] \(max_loops=4\)"):

@@ -50,6 +50,8 @@ class TinyLoopConfig(PreTrainedConfig):
         num_loop_layers: the block re-applied ``num_loops`` times (Ouro: all 24 layers; Llama: all layers, L = 1).
         num_coda_layers: unique layers run once after the loop (Huginn: 2).
         num_loops / max_loops: default depth and the largest depth a call may ask for.
+        trained_loops: the deepest depth the checkpoint was trained at, where known (Ouro: total_ut_steps); a deeper
+            forward logs a warning once (quality past it is extrapolation). None: not known, no warning.
 
     Block variants:
         block_norm: "pre" (Llama: ``x + f(N1 x)``), "sandwich" (Ouro: ``x + N2 f(N1 x)``) or "post_residual"
@@ -83,6 +85,7 @@ class TinyLoopConfig(PreTrainedConfig):
         num_coda_layers: int = 0,
         num_loops: int = 1,
         max_loops: int | None = None,
+        trained_loops: int | None = None,
         block_norm: str = "pre",
         final_norm: str = "end",
         input_injection: str = "none",
@@ -118,6 +121,7 @@ class TinyLoopConfig(PreTrainedConfig):
         self.num_coda_layers = num_coda_layers
         self.num_loops = num_loops
         self.max_loops = max_loops if max_loops is not None else _default_max_loops(num_loops)
+        self.trained_loops = trained_loops
         self.block_norm = block_norm
         self.final_norm = final_norm
         self.input_injection = input_injection
@@ -210,13 +214,20 @@ class TinyLoopConfig(PreTrainedConfig):
         for field in ("num_prelude_layers", "num_coda_layers"):
             value = getattr(self, field)
             _require(is_int(value) and value >= 0, field, "an integer >= 0", value)
-        _require(is_int(self.num_loops) and self.num_loops >= 1, "num_loops", "an integer >= 1", self.num_loops)
+        # Before max_loops, whose default is derived from num_loops.
+        _require(is_int(self.num_loops), "num_loops", "an integer >= 1", self.num_loops)
         _require(is_int(self.max_loops) and self.max_loops >= 1, "max_loops", "an integer >= 1", self.max_loops)
         _require(
             is_int(self.num_loops) and 1 <= self.num_loops <= self.max_loops,
             "num_loops",
             f"an integer in [1, max_loops={self.max_loops}]",
             self.num_loops,
+        )
+        _require(
+            self.trained_loops is None or (is_int(self.trained_loops) and self.trained_loops >= 1),
+            "trained_loops",
+            "None or an integer >= 1",
+            self.trained_loops,
         )
         _require(
             self.num_attention_heads % self.num_key_value_heads == 0,

@@ -446,6 +446,10 @@ class TinyLoopModel(TinyLoopPreTrainedModel):
             _check_context(position_ids, self.config.max_position_embeddings)
         context = self._context(position_ids, attention_mask, cache, past, hidden)
         total_loops, loops_per_row = _resolve_loops(num_loops, self.config, batch, hidden.device)
+        trained = self.config.trained_loops
+        if trained is not None and total_loops > trained:
+            logger.warning_once(f"num_loops={total_loops} is deeper than this checkpoint was trained at "
+                                f"(trained_loops={trained}): outputs past it are extrapolation")  # fmt: skip
         exit_at_step = _check_exit_step(exit_at_step, total_loops, loops_per_row)
 
         if self.config.embedding_scale != 1.0:
