@@ -168,6 +168,7 @@ def build_model(source: Source, dtype: torch.dtype | None = None, **overrides: A
     return model.eval()
 
 
+HUGINN_STOP_IDS = (65504, 65505, 65508)
 # Loop depths a generation config may hold: (field, lowest value, offset from max_loops of the highest).
 _DEPTH_FIELDS = (("num_loops", 1, 0), ("draft_loops", 1, 0), ("warmup_loops", 1, 0), ("exit_at_step", 0, -1))
 
@@ -193,6 +194,11 @@ def generation_config(source: Source, config: TinyLoopConfig, depth_given: bool 
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if values.get(key) is None and getattr(config, key) is not None:
             values[key] = getattr(config, key)
+    if source.format.name == "huginn_raven" and config.vocab_size > max(HUGINN_STOP_IDS):
+        # Huginn's own generate() always stops on these (begin / end of text, end of turn), whatever the config says.
+        eos = values.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        values["eos_token_id"] = eos + [token for token in HUGINN_STOP_IDS if token not in eos]
     generation = GenerationConfig(**values)
     generation._from_model_config = False
     return generation

@@ -427,3 +427,15 @@ def test_unknown_override_fields_and_a_missing_gguf_file_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="--gguf-file 'nope.gguf': no such file"):
         read_source(source, "nope.gguf")
     assert not (tmp_path / "dst").exists()
+
+
+def test_huginn_generation_stops_on_its_end_of_text_and_turn_tokens(tmp_path):
+    from tinyloop_hf.convert.core import generation_config
+
+    source = read_source(_copy_source("huginn-tiny", tmp_path))
+    config = build_model(source).config
+    assert 65504 >= config.vocab_size  # the fixture's vocabulary has no such ids: its eos stays as it was
+    assert generation_config(source, config).eos_token_id == config.eos_token_id
+    config.vocab_size, config.eos_token_id = 65536, 65505
+    source.generation = None
+    assert generation_config(source, config).eos_token_id == [65505, 65504, 65508]
