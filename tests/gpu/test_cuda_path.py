@@ -117,15 +117,18 @@ def test_graph_decode_equals_eager_and_keeps_hf_semantics(variant, quant):
     mask = torch.ones_like(ids)
     mask[0, :5] = 0  # left padding
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    want = eager.generate(ids, **kwargs)
+    scored = eager.generate(ids, return_dict_in_generate=True, output_scores=True, **kwargs)
+    want = scored.sequences
     got = fast.generate(ids, **kwargs)
     assert torch.equal(got, want)
     assert len(fast._cuda_path.graphs) == 1  # captured once ...
     again = fast.generate(ids, **kwargs)  # ... and replayed by the next call (storage reused)
     assert torch.equal(again, want) and len(fast._cuda_path.graphs) == 1
-    for row in range(ids.shape[0]):  # each left-padded row equals that row alone
+    for row in range(ids.shape[0]):  # each left-padded row equals that row alone ...
         alone = fast.generate(ids[row : row + 1, mask[row].bool()], max_new_tokens=12, do_sample=False)
-        assert torch.equal(alone[0, -12:], want[row, -12:])
+        # ... up to a near-tie: alone it runs the one-row kernels (the fused decode kernel), batched the multi-row
+        # ones (an H100 run parted ouro-int4-g32's row 1 at a step whose fp32 reference margin is 0.0003).
+        _agree_up_to_a_near_tie(alone[0, -12:], want[row, -12:], [step[row] for step in scored.scores])
 
     class StopAfter(StoppingCriteria):
         def __call__(self, input_ids, scores, **_):
@@ -359,10 +362,18 @@ def _assert_greedy_agrees(got, plain):
     assert got.shape == want.shape
     differ = (got != want).nonzero()
     if differ.numel():
-        row, column = differ[0].tolist()
-        scores = plain.scores[column - (want.shape[1] - len(plain.scores))][row].float()
-        margin = (scores[want[row, column]] - scores[got[row, column]]).abs().item()
-        assert margin < 0.05, f"row {row} diverges at {column} with a score margin of {margin}"
+        row, new = int(differ[0, 0]), len(plain.scores)
+        _agree_up_to_a_near_tie(got[row, -new:], want[row, -new:], [step[row] for step in plain.scores])
+
+
+def _agree_up_to_a_near_tie(got, want, scores):
+    """Generated tokens ``got`` equal ``want`` up to the first step where they part, at which ``want``'s own scores
+    (one [V] row per step) nearly tie between the two tokens; what follows a near-tie may differ."""
+    differ = (got != want).nonzero()
+    if differ.numel():
+        step = int(differ[0])
+        margin = (scores[step].float()[want[step]] - scores[step].float()[got[step]]).abs().item()
+        assert margin < 0.05, f"tokens part at step {step} with a score margin of {margin}"
 
 
 @pytest.mark.parametrize("variant,quant", [("ouro", "fp16"), ("huginn", "int4-g32"), ("llama", "int8")])
