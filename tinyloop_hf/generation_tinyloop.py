@@ -193,12 +193,11 @@ class TinyLoopGenerationMixin(GenerationMixin):
         for name in ("tokenizer", "assistant_tokenizer"):  # generate() hands these to the decoding loop, not forward
             kwargs.pop(name, None)
         inputs = super().prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
+        # Set by _prefill, which greedy, sampling and beam search call (assisted and self-speculative decoding refuse
+        # schedules).
         if loop_schedule is not None and loop_schedule["tokens"]:
-            first = loop_schedule["prompt_length"] is None
-            if first:  # a decoding mode without _prefill: this call is the prompt's
-                loop_schedule["prompt_length"] = input_ids.shape[1]
-            if first or loop_schedule["prefilling"]:  # the prompt runs every loop; its next token is read at the
-                inputs["exit_at_step"] = loop_schedule["loops"] - 1  # warm-up depth
+            if loop_schedule["prefilling"]:  # the prompt runs every loop; its next token is read at the warm-up depth
+                inputs["exit_at_step"] = loop_schedule["loops"] - 1
             elif input_ids.shape[1] - loop_schedule["prompt_length"] < loop_schedule["tokens"]:
                 inputs["num_loops"] = loop_schedule["loops"]
         return inputs
