@@ -97,7 +97,9 @@ def _check_closeness(variant, quant, dtype, shape, per_op):
               f"fused - per-op {(got - baseline).abs().max():.4f}, scale {scale:.2f}")
     assert fused_error.max() <= 2 * per_op_error.max() + 2e-3 * scale, errors
     assert fused_error.mean() <= 1.5 * per_op_error.mean() + 1e-4 * scale, errors
-    assert (got - baseline).abs().max() <= 1e-2 * scale, errors
+    # The two CUDA paths may part by 1% of the scale, or by as much as the per-op path parts from the reference where
+    # that is more (their sums run in other orders; a wrong rounding would show in the two bounds above).
+    assert (got - baseline).abs().max() <= max(1e-2 * scale, per_op_error.max()), errors
     return {plan.threads for plan in fast._cuda_path.fused.plans.values()}
 
 
