@@ -9,7 +9,8 @@
 // each weight is loaded and dequantized once per 8 * NT tokens, and each activation crosses from L2 once per CTA (the
 // 16-row kernel, gemm_quant_mma.cu, re-reads all of x in every CTA, which dominates past 32 rows). A warp's own
 // weights go from global memory to registers, two steps ahead. K may be split over gridDim.z CTAs where the row and
-// token tiles alone would leave SMs idle: the splits' fp32 sums go to `partial` and gemm_tile_reduce adds them.
+// token tiles alone would leave SMs idle: the splits' fp32 sums go to `partial` and gemm_tile_reduce adds them (and,
+// for gate/up, applies SwiGLU: then `partial` is used even with one split).
 #include "mma_fragments.cuh"
 
 constexpr int TILE_STAGES = 3;  // activation steps in shared memory (the host sizes dynamic shared memory with it)
@@ -80,8 +81,8 @@ __device__ __forceinline__ void tile_step(const RowFragments<BITS, T, false>& lo
     }
 }
 
-// x [M, K] (row stride ldx, 16-byte aligned rows) times the matrices -> y [M, ldy] at each matrix's column (gridDim.z
-// == 1), or fp32 partial sums without the bias -> partial [gridDim.z][M][ldy] (gemm_tile_reduce finishes them).
+// x [M, K] (row stride ldx, 16-byte aligned rows) times the matrices -> y [M, ldy] at each matrix's column (partial
+// null), or fp32 partial sums without the bias -> partial [gridDim.z][M][ldy] (gemm_tile_reduce finishes them).
 // Grid: (row tiles of all matrices, token tiles, K splits of steps_per_split steps). Needs K % 8 == 0 and
 // (K / cols_per_word) % 4 == 0 (a lane's 4 words all in K or all past it).
 template <int BITS, typename T, int NT, int WARPS>
@@ -164,7 +165,7 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_tile(
             const int row = row0 + g + (c >= 2 ? 8 : 0), token = m0 + 8 * nt + 2 * t + (c & 1);
             if (row >= N || token >= M) continue;
             const long long at = static_cast<long long>(token) * ldy + slot.column + row;
-            if (gridDim.z > 1) {
+            if (partial != nullptr) {
                 partial[blockIdx.z * static_cast<long long>(M) * ldy + at] = acc[nt][c];
             } else {
                 const float b = bias ? to_float(bias[slot.column + row]) : 0.0f;
@@ -173,13 +174,30 @@ __global__ void __launch_bounds__(32 * WARPS) gemm_quant_tile(
         }
 }
 
-// y [M, ldy] = T(sum over `splits` of partial[split][M][ldy], + bias[column]), one element per thread.
-template <typename T>
+// y [M, ldy] = T(sum over `splits` of partial[split][M][ldy], + bias[column]), one element per thread; with SWIGLU,
+// partial's rows are [gate | up] (2 ldy columns) and y = T(T(silu(T(gate))) * T(up)), as gemv_quant.cu rounds it.
+template <typename T, bool SWIGLU>
 __global__ void gemm_tile_reduce(const float* __restrict__ partial, int splits, int count, int ldy,
                                  const T* __restrict__ bias, T* __restrict__ y) {
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += partial[s * static_cast<long long>(count) + i];
-    y[i] = from_float<T>(bias ? sum + to_float(bias[i % ldy]) : sum);
+    const int column = static_cast<int>(i % ldy);
+    if constexpr (SWIGLU) {
+        const long long at = i + (i / ldy) * ldy;  // row m's gate column: m * 2 ldy + column
+        float gate = 0.0f, up = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            gate += partial[s * 2LL * count + at];
+            up += partial[s * 2LL * count + at + ldy];
+        }
+        if (bias) {
+            gate += to_float(bias[column]);
+            up += to_float(bias[ldy + column]);
+        }
+        const float g = to_float(from_float<T>(gate)), u = to_float(from_float<T>(up));
+        y[i] = from_float<T>(to_float(from_float<T>(silu(g))) * u);
+    } else {
+        float sum = 0.0f;
+        for (int s = 0; s < splits; ++s) sum += partial[s * static_cast<long long>(count) + i];
+        y[i] = from_float<T>(bias ? sum + to_float(bias[column]) : sum);
+    }
 }

@@ -71,7 +71,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {nt}, {w}>" for b in MMA_BITS for t in types
                                for nt in TILE_NTS for w in ((4, 8) if full else (TILE_WARPS,))
                                if full or (t == "__nv_bfloat16" and (nt == 8 or b == 4))]
-        + [f"gemm_tile_reduce<{t}>" for t in types],
+        + [f"gemm_tile_reduce<{t}, {sw}>" for t in types for sw in ("false", "true")],
         "norm.cu": [f"rms_norm<{t}>" for t in types] + [f"residual_norm<{t}, {w}>" for t in types
                                                           for w in ("false", "true")],
         "rope_kv_append.cu": [f"rope_kv_append<{t}>" for t in types],
@@ -375,7 +375,9 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
         return _gemv(x, layers, swiglu)
     if all(quantized):  # prefill: the tile kernel, or one dequantized stack and one GEMM
         bias = _stacked_bias(layers, x.dtype)
-        y = tile_gemm(x, layers, bias) if tile else F.linear(x, dequantize_weights(layers, x.dtype), bias)
+        if tile:
+            return tile_gemm(x, layers, bias, swiglu=swiglu)
+        y = F.linear(x, dequantize_weights(layers, x.dtype), bias)
         return _swiglu(*y.split(layers[0].out_features, dim=-1)) if swiglu else y
     outputs = []
     for layer in layers:
@@ -428,15 +430,18 @@ def tile_gemm_serves(x: torch.Tensor, layers: list[QuantLinear]) -> bool:
 
 def tile_gemm(
     x: torch.Tensor, layers: list[QuantLinear], bias: torch.Tensor | None, splits: int | None = None,
-    warps: int | None = None,
+    warps: int | None = None, swiglu: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] (contiguous) times 1-3 QuantLinears of one format -> [M, sum N] (+ ``bias``, the stacked biases), in
-    one launch of the tile kernel, plus a reduce launch where K is split over ``splits`` CTAs (None: picked here)."""
+    one launch of the tile kernel, plus a reduce launch where K is split over ``splits`` CTAs (None: picked here).
+    ``swiglu`` (layers gate, up): silu(gate) * up [M, N], applied by the reduce launch, which then always runs."""
     owner = layers[0]
     fmt, K = owner.format, owner.in_features
     warps = TILE_WARPS if warps is None else warps
     M, out_features = x.shape[0], sum(layer.out_features for layer in layers)
-    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
+    if swiglu and (len(layers) != 2 or layers[0].out_features != layers[1].out_features):
+        raise ValueError("the tile kernel's SwiGLU takes two layers of one out_features (gate, up)")
+    y = torch.empty(M, out_features // 2 if swiglu else out_features, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     columns_per_word = _columns_per_word(fmt)
@@ -449,7 +454,8 @@ def tile_gemm(
         splits = min(steps // 2, wanted)
     per_split = math.ceil(steps / min(max(1, splits), steps))
     splits = math.ceil(steps / per_split)
-    partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if splits > 1 else None
+    with_partial = splits > 1 or swiglu
+    partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if with_partial else None
     fn = kernel("gemm_quant_tile.cu", f"gemm_quant_tile<{fmt.bits}, {cuda_type(x.dtype)}, {nt}, {warps}>")
     shared = TILE_STAGES * 8 * nt * 2 * columns_per_word * 16
     if shared > _SMEM_LIMIT and fn.max_dynamic_shared_size_bytes < shared:
@@ -458,9 +464,9 @@ def tile_gemm(
             i32(out_features), *_format_arguments(owner), i32(per_split))  # fmt: skip
     launch(fn, (row_tiles, token_tiles, splits), (32 * warps,), args, shared_mem=shared)
     if partial is not None:
-        count = M * out_features
-        reduce = kernel("gemm_quant_tile.cu", f"gemm_tile_reduce<{cuda_type(x.dtype)}>")
-        args = (ptr(partial), i32(splits), i32(count), i32(out_features), ptr(bias), ptr(y))
+        count, width = y.numel(), y.shape[1]
+        reduce = kernel("gemm_quant_tile.cu", f"gemm_tile_reduce<{cuda_type(x.dtype)}, {str(swiglu).lower()}>")
+        args = (ptr(partial), i32(splits), i32(count), i32(width), ptr(bias), ptr(y))
         launch(reduce, (math.ceil(count / 256),), (256,), args)
     return y
 

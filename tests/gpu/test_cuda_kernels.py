@@ -115,6 +115,15 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
             assert _relative_error(actual, expected) <= GEMV_TOLERANCE[dtype], (rows, splits, warps)
         one = ops_cuda.tile_gemm(x, layers[1:2], None)  # one matrix, no bias
         assert _relative_error(one, x.float() @ layers[1].dequantized_weight().float().T) <= GEMV_TOLERANCE[dtype]
+        # gate / up with SwiGLU applied by the reduce launch (which runs with one split too); only gate has a bias.
+        pair = [_quant_layer(136, 576, fmt, seed=s, bias=s == 1).to(dtype) for s in (1, 2)]
+        pair_bias = ops_cuda._stacked_bias(pair, dtype)
+        h = x.float() @ torch.cat([layer.dequantized_weight() for layer in pair]).float().T + pair_bias.float()
+        for splits in (1, 3):
+            actual = ops_cuda.tile_gemm(x, pair, pair_bias, splits=splits, swiglu=True)
+            assert actual.dtype == dtype and actual.shape == (rows, 136)
+            expected_h = F.silu(h[:, :136]) * h[:, 136:]
+            assert _relative_error(actual, expected_h) <= GEMV_TOLERANCE[dtype], (rows, splits)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,6 +141,7 @@ def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, mo
     tile_qkv, tile_mlp = ops_cuda.project(x, [q, k, v]), ops_cuda.project(x, [gate, up], swiglu=True)
     assert any(name.startswith("gemm_quant_tile<") for name in names), names
     assert not any(name.startswith("dequantize_weights") for name in names), names
+    assert any(name.startswith("gemm_tile_reduce<") and name.endswith("true>") for name in names), names  # SwiGLU
     assert _relative_error(tile_qkv, cublas_qkv) <= 1e-2 and _relative_error(tile_mlp, cublas_mlp) <= 1e-2
 
 
