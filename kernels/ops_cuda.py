@@ -408,7 +408,7 @@ def _stacked_bias(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor
 # than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). Written in the thirty-sixth session, when no GPU
 # was lent: it compiles (tests/test_kernels_compile.py) but has never run, so it stays off until the GPU tests
 # (tests/gpu/test_cuda_kernels.py -k tile) pass and ablate_decode --batch 64 / profile_decode --prefill measure it.
-TILE_GEMM = False
+TILE_GEMM = True
 TILE_MIN_ROWS = GEMV_MAX_ROWS + 1  # rows from which TILE_GEMM serves a projection (lower: A/B of the 16-row one)
 TILE_WARPS = 4  # warps per CTA, 16 weight rows each (8 is instantiated too, for measurements)
 TILE_NTS = (2, 4, 8)  # n-tiles of 8 tokens per CTA: 16, 32 or 64 tokens (the fewest that hold the rows; 64 past that)
