@@ -74,11 +74,14 @@ def test_gemv_matches_dequantize_then_matmul(bits, group, symmetric, dtype, shap
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype):
+def test_dequantize_kernel_is_exact_and_prefill_is_the_reference(bits, dtype, monkeypatch):
+    """Dequantize + cuBLAS, the prefill path where the tile kernel is off (or cannot serve), is the reference's exact
+    product (the tile kernel's sums run in another order: test_tile_gemm_matches_dequantize_then_matmul)."""
     fmt = QuantFormat(bits=bits, group_size=64)
     layer = _quant_layer(80, 320, fmt).to(dtype)
     assert torch.equal(ops_cuda.dequantize_weight(layer, dtype), layer.dequantized_weight().to(dtype))
-    x = torch.randn(2, 40, 320, device="cuda", dtype=dtype)  # 80 rows: the dequantize + cuBLAS path
+    monkeypatch.setattr(ops_cuda, "TILE_GEMM", False)
+    x = torch.randn(2, 40, 320, device="cuda", dtype=dtype)  # 80 rows
     assert torch.equal(get_op("quant_linear", "cuda")(x, layer), get_op("quant_linear", REFERENCE)(x, layer))
 
 
