@@ -110,12 +110,18 @@ def test_attention_block_over_many_cached_tokens(launches):
     token loop at head_dim 128), the new token in a page of its own."""
     ids = torch.randint(1, 256, (1, 704), generator=torch.Generator().manual_seed(2)).cuda()
     kw = dict(max_position_embeddings=1024)
+    reference = _model("ouro", **kw)
+    want = decode_logits(reference, ids, 700, TinyLoopCache(reference.config))
     plain = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     fast = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     baseline = launches.off(decode_logits, plain, ids, 700, plain.new_cache())
     got = decode_logits(fast, ids, 700, fast.new_cache())
     assert launches.count == _attention_calls(fast.config, 4)
-    assert (got - baseline).abs().max() <= 1e-2 * baseline.abs().max()
+    # As close to the reference as the per-op kernels (the closeness test's bounds); the two CUDA paths part by at
+    # most 1% of the scale, or the per-op kernels' own distance from the reference where that is more.
+    scale, per_op_error = want.abs().max(), (baseline - want).abs().max()
+    assert (got - want).abs().max() <= 2 * per_op_error + 2e-3 * scale
+    assert (got - baseline).abs().max() <= max(1e-2 * scale, per_op_error)
 
 
 def test_attention_block_graphs_replay_the_eager_steps(launches):

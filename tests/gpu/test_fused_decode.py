@@ -90,6 +90,12 @@ def _check_closeness(variant, quant, dtype, shape, per_op):
     got = decode_logits(fast, ids, 6, fast.new_cache())
     assert fast._cuda_path.fused.steps == ids.shape[1] - 6  # every decode step ran fused
     assert plain._cuda_path.fused.steps == 0
+    _assert_as_close(want, baseline, got)
+    return {plan.threads for plan in fast._cuda_path.fused.plans.values()}
+
+
+def _assert_as_close(want, baseline, got):
+    """The fused kernel's logits ``got`` are as close to the reference's ``want`` as the per-op path's ``baseline``."""
     scale = want.abs().max()
     per_op_error, fused_error = (baseline - want).abs(), (got - want).abs()
     errors = (f"max error {fused_error.max():.4f} (per-op {per_op_error.max():.4f}), "
@@ -100,7 +106,6 @@ def _check_closeness(variant, quant, dtype, shape, per_op):
     # The two CUDA paths may part by 1% of the scale, or by as much as the per-op path parts from the reference where
     # that is more (their sums run in other orders; a wrong rounding would show in the two bounds above).
     assert (got - baseline).abs().max() <= max(1e-2 * scale, per_op_error.max()), errors
-    return {plan.threads for plan in fast._cuda_path.fused.plans.values()}
 
 
 def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
@@ -122,12 +127,14 @@ def test_fused_decode_over_many_cached_tokens(per_op):
     a step at this shape), with the exit gate's outputs of an eager step."""
     ids = torch.randint(1, 256, (1, 1300), generator=torch.Generator().manual_seed(2)).cuda()
     kw = dict(max_position_embeddings=2048)
+    reference = _model("ouro", **kw)
+    want = decode_logits(reference, ids, 1296, TinyLoopCache(reference.config))
     plain = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     fast = _model("ouro", **kw).use_cuda_path(cuda_graphs=False)
     baseline = per_op(decode_logits, plain, ids, 1296, plain.new_cache())
     got = decode_logits(fast, ids, 1296, fast.new_cache())
     assert fast._cuda_path.fused.steps == 4
-    assert (got - baseline).abs().max() <= 1e-2 * baseline.abs().max()
+    _assert_as_close(want, baseline, got)
     cache = fast.new_cache()
     with torch.no_grad():
         fast(ids[:, :-1], past_key_values=cache, use_cache=True)
