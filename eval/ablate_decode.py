@@ -217,8 +217,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-block", action="store_true",
                         help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
     parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
-    parser.add_argument("--tile-gemm", action="store_true",
-                        help="rows past GEMV_MAX_ROWS through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM)")
+    parser.add_argument("--no-tile-gemm", action="store_true",
+                        help="rows past GEMV_MAX_ROWS through dequantize + cuBLAS, not kernels/gemm_quant_tile.cu")
     parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
     parser.add_argument("--tile-min-rows", type=int, help="rows from which it serves (ops_cuda.TILE_MIN_ROWS)")
     # fmt: on
@@ -230,7 +230,7 @@ def apply_switches(args: argparse.Namespace) -> None:
     attention_block.ATTENTION_BLOCK = args.attention_block
     attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
-    ops_cuda.TILE_GEMM = args.tile_gemm or ops_cuda.TILE_GEMM
+    ops_cuda.TILE_GEMM = not args.no_tile_gemm
     if args.tile_warps:
         ops_cuda.TILE_WARPS = args.tile_warps
     if args.tile_min_rows:

@@ -4,7 +4,8 @@ copy again (how fast a projection is once its weights are on chip).
 
     python -m tinyloop_hf.eval.gemv_sweep --bits 4 --rows 1 4 16
     python -m tinyloop_hf.eval.gemv_sweep --rows 16 --from-l2
-    python -m tinyloop_hf.eval.gemv_sweep --rows 16 64 --tile-gemm   # every row count through the tile kernel
+    python -m tinyloop_hf.eval.gemv_sweep --rows 16 64 --tile-gemm     # 2+ rows through the tile kernel
+    python -m tinyloop_hf.eval.gemv_sweep --rows 16 64 --no-tile-gemm  # past 32 rows dequantize + cuBLAS
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(2, 3, 4, 8))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--from-l2", action="store_true", help="one weight copy, read from L2 by every call")
-    parser.add_argument("--tile-gemm", action="store_true",
-                        help="2+ rows through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM, TILE_MIN_ROWS 2)")
+    tile = parser.add_mutually_exclusive_group()
+    tile.add_argument("--tile-gemm", action="store_true",
+                      help="2+ rows through kernels/gemm_quant_tile.cu (ops_cuda.TILE_MIN_ROWS 2; default: 33+)")
+    tile.add_argument("--no-tile-gemm", action="store_true", help="no rows through it (ops_cuda.TILE_GEMM off)")
     args = parser.parse_args(argv)
     require_gpu("python -m tinyloop_hf.eval.gemv_sweep")
-    if args.tile_gemm:
-        from tinyloop_hf.kernels import ops_cuda
+    from tinyloop_hf.kernels import ops_cuda
 
-        ops_cuda.TILE_GEMM, ops_cuda.TILE_MIN_ROWS = True, 2
+    if args.tile_gemm:
+        ops_cuda.TILE_MIN_ROWS = 2
+    ops_cuda.TILE_GEMM = not args.no_tile_gemm
     print(f"| N x K | rows | INT{args.bits} us | TB/s | cuBLAS bf16 us | speed-up |")
     print("|---|---|---|---|---|---|")
     for rows in args.rows:

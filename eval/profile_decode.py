@@ -75,16 +75,16 @@ def main() -> None:
         help="capture plain launches, with the junctions fused into the GEMV prologues (A/B of kernels/loader.py)",
     )
     parser.add_argument(
-        "--tile-gemm",
+        "--no-tile-gemm",
         action="store_true",
-        help="prompts and rows past GEMV_MAX_ROWS through kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM)",
+        help="prompts and rows past GEMV_MAX_ROWS through dequantize + cuBLAS (ops_cuda.TILE_GEMM off)",
     )
     args = parser.parse_args()
     require_gpu("python -m tinyloop_hf.eval.profile_decode")
-    if args.tile_gemm:
+    if args.no_tile_gemm:
         from tinyloop_hf.kernels import ops_cuda
 
-        ops_cuda.TILE_GEMM = True
+        ops_cuda.TILE_GEMM = False
     if args.no_programmatic_launch:
         from tinyloop_hf.kernels import loader
 

@@ -403,11 +403,10 @@ def _stacked_bias(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor
 
 # Prompt forwards and decode batches past GEMV_MAX_ROWS (TILE_MIN_ROWS) through the tensor-core tile kernel
 # (kernels/gemm_quant_tile.cu: each weight dequantized in registers once per 16-64 tokens, the activations staged in
-# shared memory once per CTA)
-# instead of dequantize + cuBLAS, which writes and re-reads a 16-bit copy of every weight (INT4 at batch 64 ran slower
-# than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). Written in the thirty-sixth session, when no GPU
-# was lent: it compiles (tests/test_kernels_compile.py) but has never run, so it stays off until the GPU tests
-# (tests/gpu/test_cuda_kernels.py -k tile) pass and ablate_decode --batch 64 / profile_decode --prefill measure it.
+# shared memory once per CTA) instead of dequantize + cuBLAS, which writes and re-reads a 16-bit copy of every weight
+# (INT4 at batch 64 ran slower than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). H100, thirty-eighth
+# session: batch-64 replays 10.87 ms against 14.06, batch 40 9.10 against 12.57, a 128-token prompt's kernels 11.1 ms
+# against 11.4; at 16 rows it is slower than the 16-row kernel (QKV 10.6 against 6.4 us), hence TILE_MIN_ROWS.
 TILE_GEMM = True
 TILE_MIN_ROWS = GEMV_MAX_ROWS + 1  # rows from which TILE_GEMM serves a projection (lower: A/B of the 16-row one)
 TILE_WARPS = 4  # warps per CTA, 16 weight rows each (8 is instantiated too, for measurements)

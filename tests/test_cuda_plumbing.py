@@ -91,20 +91,21 @@ def _model(variant, bits):
     return model
 
 
+@pytest.mark.parametrize("tile", [True, False])  # prompts through the tile kernel (the default) or dequantize + GEMM
 @pytest.mark.parametrize("variant", ["ouro", "llama", "huginn"])
-def test_every_launch_matches_its_kernel_signature(variant, launches):
+def test_every_launch_matches_its_kernel_signature(variant, tile, launches, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "TILE_GEMM", tile)
     model = _model(variant, 4)
     for batch in (1, 2):  # decode: one row through the CUDA-core GEMV, two through the tensor-core kernel
         cache = PagedTinyLoopCache(model.config, capacity=64)
         ids = torch.randint(1, 256, (batch, 44))
-        with torch.no_grad():  # prompt (dequantize + GEMM), decode, 3 tokens on a past (paged attention, Q = 3)
+        with torch.no_grad():  # prompt (40 rows or 80), decode, 3 tokens on a past (paged attention, Q = 3)
             model(ids[:, :40], past_key_values=cache, use_cache=True)
             model(ids[:, 40:41], past_key_values=cache, use_cache=True)
             model(ids[:, 41:], past_key_values=cache, use_cache=True)
     kernels = {name.split("<")[0] for _, name, *_ in launches}
     expected = {
-        "dequantize_weights",
-        "swiglu",
+        *(("gemm_quant_tile", "gemm_tile_reduce") if tile else ("dequantize_weights", "swiglu")),
         "gemv_quant",
         "gemm_quant_mma",
         "paged_decode",
@@ -332,7 +333,25 @@ def test_gemv_launches_read_the_layers_current_tensors(launches):
     assert int(qkv_args()[13]) == k.bias.data_ptr()
 
 
-def test_prefill_dequantizes_fused_projections_into_one_stack(launches):
+def test_prefill_swiglu_is_applied_by_the_tile_kernel_s_reduce_launch(launches):
+    """Prompt rows past GEMV_MAX_ROWS go through the tile kernel; gate/up's partial sums always go to the reduce
+    launch, which writes silu(gate) * up ([M, intermediate], not [M, 2 intermediate]) with no separate SwiGLU kernel."""
+    model = _model("llama", 4)
+    with torch.no_grad():
+        model(torch.randint(1, 256, (1, 40)), past_key_values=PagedTinyLoopCache(model.config), use_cache=True)
+    names = [name for _, name, *_ in launches]
+    assert not any(name.startswith(("dequantize_weights", "swiglu")) for name in names), names
+    swiglu = [args for _, name, _, args, _ in launches if name.startswith("gemm_tile_reduce") and "true>" in name]
+    assert len(swiglu) == model.config.num_hidden_layers
+    F = model.config.intermediate_size
+    assert {(int(args[2]), int(args[3])) for args in swiglu} == {(40 * F, F)}  # count, width of y
+    tiles = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_tile")]
+    gate_up = [args for args in tiles if int(args[7]) == F and int(args[12]) == F and int(args[21]) == 2 * F]
+    assert gate_up and all(int(args[20]) != 0 for args in gate_up)  # partial: written even with one split
+
+
+def test_prefill_dequantizes_fused_projections_into_one_stack(launches, monkeypatch):
+    monkeypatch.setattr(ops_cuda, "TILE_GEMM", False)  # the path for formats the tile kernel does not serve
     model = _model("llama", 4)
     attention = next(
         layer for layers in (model.model.prelude_layers, model.model.loop_layers) for layer in layers

@@ -100,7 +100,7 @@ def test_dequantize_launch_stacks_up_to_three_layers_exactly(bits, in_features):
 @pytest.mark.parametrize("group", [32, 128, None])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
-    """kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM, off by default) against the fp32 product of the dequantized
+    """kernels/gemm_quant_tile.cu (ops_cuda.TILE_GEMM: on past 32 rows) against the fp32 product of the dequantized
     weights: token counts around its 64-token tiles, rows around its 64-row tiles (three stacked matrices, one without
     a bias), K with a partial last step, K split over CTAs or not, 4- and 8-warp CTAs."""
     scale_dtype = "bfloat16" if bits == 4 else "float16"
@@ -131,12 +131,13 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, monkeypatch):
-    """project() with ops_cuda.TILE_GEMM on: fused QKV and SwiGLU, the same values as its dequantize + cuBLAS path
-    (the tile kernel is the one that ran)."""
+    """project() with ops_cuda.TILE_GEMM on (the default): fused QKV and SwiGLU, the same values as the dequantize +
+    cuBLAS path it replaces (the tile kernel is the one that ran)."""
     fmt = QuantFormat(bits=4, group_size=64)
     q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
     gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
     x = torch.randn(100, 256, device="cuda", dtype=dtype)
+    monkeypatch.setattr(ops_cuda, "TILE_GEMM", False)
     cublas_qkv, cublas_mlp = ops_cuda.project(x, [q, k, v]), ops_cuda.project(x, [gate, up], swiglu=True)
     names = []
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))

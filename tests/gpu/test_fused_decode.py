@@ -122,6 +122,26 @@ def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
     assert torch.equal(again.sequences, want.sequences)
 
 
+def test_a_later_generate_reads_nothing_its_pages_kept_from_the_call_before():
+    """A later generate() of the same shape reuses the cache storage and its graphs: what the pages still hold from
+    the call before (here overwritten with noise) must not reach its tokens or scores. (In the thirty-eighth
+    session's full GPU suite on an H100, the test above saw a second call part from the first at its 10th token.)"""
+    ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    model = _model("ouro").use_cuda_path()
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    first = model.generate(ids, **kwargs)
+    storages = list(model._cuda_path.storages.values())
+    assert storages and all(storage.pages for storage in storages)
+    for storage in storages:
+        for pages in storage.pages.values():
+            for tensor in pages[:2]:  # K and V
+                tensor.normal_(0, 3)
+    again = model.generate(ids, **kwargs)
+    assert [id(storage) for storage in model._cuda_path.storages.values()] == [id(storage) for storage in storages]
+    assert torch.equal(again.sequences, first.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(again.scores, first.scores, strict=True))
+
+
 def test_fused_decode_over_many_cached_tokens(per_op):
     """A prompt long enough that each attention split loops over several steps of its tokens (17 splits of 60 tokens
     a step at this shape), with the exit gate's outputs of an eager step."""
@@ -173,7 +193,8 @@ def test_a_decode_replay_runs_only_the_step_s_own_kernels():
 
 def test_the_kv_prefetch_changes_no_output(monkeypatch):
     """The attention splits' K/V prefetch into L2 (a spare lane of the producer warp) only moves data into the cache:
-    every step's logits are bit for bit those of the kernel without it, over a prompt whose splits span several pages."""
+    every step's logits are bit for bit those of the kernel without it, over a prompt whose splits span several
+    pages."""
     ids = torch.randint(1, 256, (1, 100), generator=torch.Generator().manual_seed(5)).cuda()
     got = {}
     for prefetch in (True, False):
