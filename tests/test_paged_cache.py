@@ -368,12 +368,43 @@ def test_a_graph_is_captured_only_once_every_page_it_writes_exists(monkeypatch):
 
 
 def test_an_eager_warm_up_step_gets_all_its_pages_before_its_forward(monkeypatch):
-    """The step before a capture (CudaPath.run returns None) finds every page of its loop count allocated, so no
-    page is allocated between the forward's activations (which fragmented the allocator at batch 64 x 2,048)."""
+    """The step before a capture (for a prompt, CudaPath._prefill_eagerly) finds every page of its loop count
+    allocated, so no page is allocated between the forward's activations (which fragmented the allocator at batch
+    64 x 2,048)."""
     path = _cpu_cuda_path(monkeypatch)
     cache = path.new_cache(64)
     cache.reserve(1, 16, torch.bfloat16, torch.device("cpu"))
     key = ("prefill", 1, 16, 2, cache.storage.serial, cache.storage.capacity)
     assert not cache.storage.pages
-    assert path.run(key, torch.ones(1, 16, dtype=torch.long), None, None, cache) is None
-    assert path._pages_ready(cache, 2) and not path._pages_ready(cache, 3)
+    ready = []
+    monkeypatch.setattr(path, "_prefill_eagerly", lambda key, ids, cache: ready.append(path._pages_ready(cache, 2)))
+    path.run(key, torch.ones(1, 16, dtype=torch.long), None, None, cache)
+    assert ready == [True] and not path._pages_ready(cache, 3)
+
+
+def test_a_prompt_on_the_cuda_path_runs_padded_to_its_bucket_graphs_or_not(monkeypatch):
+    """generate()'s prompt runs as its prefill graph's replays will, padded on the right to a multiple of
+    PREFILL_BUCKET, also in the eager forward before a capture and on a model without graphs: the row count decides
+    which kernel serves each projection and how it splits its sums, so an unpadded first prompt gave other logits
+    than its replays (a later generate() parted from the first at a near-tie). The cache keeps the prompt's tokens
+    alone, and the tokens are those of the model without a CUDA path (reference ops here, on CPU)."""
+    from tinyloop_hf.cuda_path import PREFILL_BUCKET
+    from tinyloop_hf.kernels import fused_decode
+
+    monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
+    model = _cpu_cuda_path(monkeypatch).model
+    model.set_op_backend("reference")
+    shapes = []
+    forward = type(model.model).forward
+    monkeypatch.setattr(type(model.model), "forward",
+                        lambda self, *a, **k: shapes.append(tuple(k["input_ids"].shape)) or forward(self, *a, **k))
+    ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    got = model.generate(ids, **kwargs)
+    assert shapes == [(2, PREFILL_BUCKET)] + [(2, 1)] * 4
+    assert got.past_key_values.get_seq_length() == 12 + 4
+    monkeypatch.setattr(type(model.model), "forward", forward)
+    want = tiny_model("ouro").to(torch.bfloat16).generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores, strict=True):  # bf16 sums over 64 rows against 12: close, not equal
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()

@@ -250,10 +250,13 @@ class CudaPath:
     def graph_key(self, input_ids: Any, cache: Any, arguments: dict[str, Any]) -> tuple | None:
         """The key of a step a graph can serve, or None (the step then runs eagerly, on the same kernels).
 
-        Decode: one new token per row. Prefill: a fresh cache, no padding (prompts are padded on the right to a
-        multiple of PREFILL_BUCKET inside the graph: under causal attention the pads never reach a real position,
-        and their K/V lie beyond the cache length, where the next tokens overwrite them)."""
-        if not self.use_graphs or graph_capturing() or torch.is_grad_enabled():
+        Decode: one new token per row. Prefill: a fresh cache, no padding. Prompts are padded on the right to a
+        multiple of PREFILL_BUCKET inside the graph (under causal attention the pads never reach a real position, and
+        their K/V lie beyond the cache length, where the next tokens overwrite them), and so they are in the eager
+        forward that warms the key and on a model without graphs (``run`` computes them): which kernel serves a
+        projection, and how it splits its sums, depends on the row count, so an unpadded prompt would give other
+        logits than its replays (a later generate() of the same prompt parted from the first at a near-tie)."""
+        if graph_capturing() or torch.is_grad_enabled():
             return None
         if input_ids is None or input_ids.dim() != 2 or not isinstance(cache, PagedTinyLoopCache):
             return None
@@ -279,7 +282,12 @@ class CudaPath:
             return None
         batch, steps = input_ids.shape
         if steps == 1:
-            if cache.storage is None or cache.length == 0 or cache.length + 1 > cache.storage.capacity:
+            if (
+                not self.use_graphs
+                or cache.storage is None
+                or cache.length == 0
+                or cache.length + 1 > cache.storage.capacity
+            ):
                 return None
             # The mask's shape only (free on the host; the eager step names a wrong one): checking a replay's mask and
             # position values would synchronize every token. generate() extends the prompt's, which its eager step
@@ -306,19 +314,20 @@ class CudaPath:
         if self.ahead is not None and (self.ahead.key != key or self.ahead.cache is not cache):
             self.settle()
         ahead, self.ahead = self.ahead, None
+        prefill = key[0] == "prefill"
         if key not in self.graphs:
             # Capture after an eager step of the key, and only once that step has allocated every page the graph
             # writes: an allocation inside a capture would come from the graph's pool, zeroed at every replay (an
             # eager step that failed, say out of memory, can leave some unallocated).
-            loops = key[2] if key[0] == "decode" else key[3]
-            if key not in self.warmed or not self._pages_ready(cache, loops):
+            loops = key[3] if prefill else key[2]
+            if not self.use_graphs or key not in self.warmed or not self._pages_ready(cache, loops):
                 self.warmed.add(key)
                 self._allocate_pages(cache, loops)
-                return None
+                return self._prefill_eagerly(key, input_ids, cache) if prefill else None
             capture = self._capture_decode if key[0] == "decode" else self._capture_prefill
             self.graphs[key] = capture(key, input_ids, cache)
         entry = self.graphs[key]
-        if key[0] == "prefill":
+        if prefill:
             return self._replay_prefill(entry, input_ids, cache)
         config = self.model.config
         if cache.length >= config.max_position_embeddings:
@@ -413,13 +422,30 @@ class CudaPath:
         cache.step_tokens = 0  # committed by the next run() if it asks for these tokens
         self.ahead = _StepAhead(key, cache, guessed)
 
-    def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
-        steps = input_ids.shape[1]
+    def _check_prompt_length(self, steps: int) -> None:
         if steps > self.model.config.max_position_embeddings:
             raise ValueError(
                 f"position {steps - 1} is beyond the context of this model "
                 f"(TinyLoopConfig.max_position_embeddings={self.model.config.max_position_embeddings})"
             )
+
+    def _prefill_eagerly(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
+        """The prompt's last logits from an eager forward of the prefill graph's shape (the prompt padded to its
+        bucket), so that its kernels, and its logits, are those of the graph's replays."""
+        steps = input_ids.shape[1]
+        self._check_prompt_length(steps)
+        ids, positions = self._prefill_inputs(key, input_ids)
+        ids[:, :steps].copy_(input_ids)
+        before = dict(cache.slot_lengths)
+        hidden = self._prefill_forward(key, ids, positions, cache)
+        written = [slot for slot, held in cache.slot_lengths.items() if held != before.get(slot)]
+        cache.length = steps
+        cache.slot_lengths.update(dict.fromkeys(written, steps))
+        return self.model.lm_head(hidden[:, steps - 1 : steps])
+
+    def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
+        steps = input_ids.shape[1]
+        self._check_prompt_length(steps)
         entry.input_ids.zero_()
         entry.input_ids[:, :steps].copy_(input_ids)
         entry.graph.replay()
@@ -480,21 +506,26 @@ class CudaPath:
         )
         return _Graph(graph, static_ids, static_positions, logits, slots)
 
-    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
+    @staticmethod
+    def _prefill_inputs(key: tuple, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed token ids and the positions 0 .. bucket - 1, [batch, bucket] each, of a prefill key."""
         batch, bucket = key[1], key[2]
-        static_ids = torch.zeros(batch, bucket, dtype=input_ids.dtype, device=input_ids.device)
-        static_positions = torch.arange(bucket, device=input_ids.device)[None].expand(batch, -1).contiguous()
+        ids = torch.zeros(batch, bucket, dtype=input_ids.dtype, device=input_ids.device)
+        positions = torch.arange(bucket, device=input_ids.device)[None].expand(batch, -1).contiguous()
+        return ids, positions
+
+    def _prefill_forward(
+        self, key: tuple, ids: torch.Tensor, positions: torch.Tensor, cache: PagedTinyLoopCache
+    ) -> torch.Tensor:
+        """The last hidden states [batch, bucket, H] of a padded prompt (what a prefill graph captures)."""
+        return self.model.model(
+            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, num_loops=key[3]
+        ).last_hidden_state
+
+    def _capture_prefill(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> _Graph:
+        static_ids, static_positions = self._prefill_inputs(key, input_ids)
         graph, hidden, slots = self._record(
-            cache,
-            lambda: (
-                self.model.model(
-                    input_ids=static_ids,
-                    position_ids=static_positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    num_loops=key[3],
-                ).last_hidden_state
-            ),
+            cache, lambda: self._prefill_forward(key, static_ids, static_positions, cache)
         )
         return _Graph(graph, static_ids, static_positions, hidden, slots)
 

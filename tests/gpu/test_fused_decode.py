@@ -123,9 +123,8 @@ def test_fused_graphs_replay_the_eager_steps_and_keep_hf_semantics():
 
 
 def test_a_later_generate_reads_nothing_its_pages_kept_from_the_call_before():
-    """A later generate() of the same shape reuses the cache storage and its graphs: what the pages still hold from
-    the call before (here overwritten with noise) must not reach its tokens or scores. (In the thirty-eighth
-    session's full GPU suite on an H100, the test above saw a second call part from the first at its 10th token.)"""
+    """A later generate() of the same shape reuses the cache storage and its graphs (the prompt's too): what the
+    pages still hold from the call before (here overwritten with noise) must not reach its tokens or scores."""
     ids = torch.randint(1, 256, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
     model = _model("ouro").use_cuda_path()
     kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
