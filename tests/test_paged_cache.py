@@ -382,7 +382,8 @@ def test_an_eager_warm_up_step_gets_all_its_pages_before_its_forward(monkeypatch
     assert ready == [True] and not path._pages_ready(cache, 3)
 
 
-def test_a_prompt_on_the_cuda_path_runs_padded_to_its_bucket_graphs_or_not(monkeypatch):
+@pytest.mark.parametrize("max_positions", [256, 40])  # 40: the pads would lie past the context, so no padding
+def test_a_prompt_on_the_cuda_path_runs_padded_to_its_bucket_graphs_or_not(max_positions, monkeypatch):
     """generate()'s prompt runs as its prefill graph's replays will, padded on the right to a multiple of
     PREFILL_BUCKET, also in the eager forward before a capture and on a model without graphs: the row count decides
     which kernel serves each projection and how it splits its sums, so an unpadded first prompt gave other logits
@@ -392,7 +393,7 @@ def test_a_prompt_on_the_cuda_path_runs_padded_to_its_bucket_graphs_or_not(monke
     from tinyloop_hf.kernels import fused_decode
 
     monkeypatch.setattr(fused_decode, "FUSED_DECODE", False)
-    model = _cpu_cuda_path(monkeypatch).model
+    model = _cpu_cuda_path(monkeypatch, max_position_embeddings=max_positions).model
     model.set_op_backend("reference")
     shapes = []
     forward = type(model.model).forward
@@ -401,10 +402,10 @@ def test_a_prompt_on_the_cuda_path_runs_padded_to_its_bucket_graphs_or_not(monke
     ids = torch.randint(1, 256, (2, 12), generator=torch.Generator().manual_seed(0))
     kwargs = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True)
     got = model.generate(ids, **kwargs)
-    assert shapes == [(2, PREFILL_BUCKET)] + [(2, 1)] * 4
+    assert shapes == [(2, PREFILL_BUCKET if PREFILL_BUCKET <= max_positions else 12)] + [(2, 1)] * 4
     assert got.past_key_values.get_seq_length() == 12 + 4
     monkeypatch.setattr(type(model.model), "forward", forward)
-    want = tiny_model("ouro").to(torch.bfloat16).generate(ids, **kwargs)
+    want = tiny_model("ouro", max_position_embeddings=max_positions).to(torch.bfloat16).generate(ids, **kwargs)
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores, strict=True):  # bf16 sums over 64 rows against 12: close, not equal
         assert (a - b).abs().max() <= 2e-2 * b.abs().max()

@@ -301,6 +301,8 @@ class CudaPath:
         bucket = -(-steps // PREFILL_BUCKET) * PREFILL_BUCKET
         if cache.length != 0 or arguments.get("logits_to_keep") != 1 or bucket > capacity_bucket(cache.capacity):
             return None
+        if bucket > config.max_position_embeddings:  # the pads' positions would lie past the model's context
+            return None
         mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
         if mask is not None and not bool(mask.all()):
             return None
