@@ -221,6 +221,7 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="rows past GEMV_MAX_ROWS through dequantize + cuBLAS, not kernels/gemm_quant_tile.cu")
     parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
     parser.add_argument("--tile-min-rows", type=int, help="rows from which it serves (ops_cuda.TILE_MIN_ROWS)")
+    parser.add_argument("--tile-waves", type=int, help="CTAs per SM its K split aims for (ops_cuda.TILE_WAVES)")
     # fmt: on
 
 
@@ -235,6 +236,8 @@ def apply_switches(args: argparse.Namespace) -> None:
         ops_cuda.TILE_WARPS = args.tile_warps
     if args.tile_min_rows:
         ops_cuda.TILE_MIN_ROWS = args.tile_min_rows
+    if args.tile_waves:
+        ops_cuda.TILE_WAVES = args.tile_waves
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:
