@@ -69,6 +69,11 @@ def capacity_bucket(tokens: int, fraction_bits: int = 3, minimum: int = MIN_CAPA
     return -(-tokens // step) * step
 
 
+def _written_slots(before: dict[int, int], cache: PagedTinyLoopCache) -> list[int]:
+    """The cache slots a step wrote: those whose length changed since ``before`` (slot -> tokens held)."""
+    return sorted(slot for slot, held in cache.slot_lengths.items() if held != before.get(slot))
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -322,11 +327,12 @@ class CudaPath:
             # writes: an allocation inside a capture would come from the graph's pool, zeroed at every replay (an
             # eager step that failed, say out of memory, can leave some unallocated).
             loops = key[3] if prefill else key[2]
+            # A model without graphs gets prefill keys alone, and runs each of them as this warm-up step.
             if not self.use_graphs or key not in self.warmed or not self._pages_ready(cache, loops):
                 self.warmed.add(key)
                 self._allocate_pages(cache, loops)
                 return self._prefill_eagerly(key, input_ids, cache) if prefill else None
-            capture = self._capture_decode if key[0] == "decode" else self._capture_prefill
+            capture = self._capture_prefill if prefill else self._capture_decode
             self.graphs[key] = capture(key, input_ids, cache)
         entry = self.graphs[key]
         if prefill:
@@ -424,36 +430,40 @@ class CudaPath:
         cache.step_tokens = 0  # committed by the next run() if it asks for these tokens
         self.ahead = _StepAhead(key, cache, guessed)
 
-    def _check_prompt_length(self, steps: int) -> None:
+    def _prefill_eagerly(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
+        """The prompt's last logits from an eager forward of the prefill graph's shape (the prompt padded to its
+        bucket), so that its kernels, and its logits, are those of the graph's replays."""
+        ids, positions = self._prefill_inputs(key, input_ids)
+        self._load_prompt(ids, input_ids)
+        before = dict(cache.slot_lengths)
+        hidden = self._prefill_forward(key, ids, positions, cache)
+        return self._prompt_logits(hidden, input_ids, cache, _written_slots(before, cache))
+
+    def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
+        self._load_prompt(entry.input_ids, input_ids)
+        entry.graph.replay()
+        return self._prompt_logits(entry.output, input_ids, cache, entry.slots)
+
+    def _load_prompt(self, padded: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """The prompt into the first columns of a prefill key's [batch, bucket] ids, the pads zero."""
+        steps = input_ids.shape[1]
         if steps > self.model.config.max_position_embeddings:
             raise ValueError(
                 f"position {steps - 1} is beyond the context of this model "
                 f"(TinyLoopConfig.max_position_embeddings={self.model.config.max_position_embeddings})"
             )
+        padded.zero_()
+        padded[:, :steps].copy_(input_ids)
 
-    def _prefill_eagerly(self, key: tuple, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
-        """The prompt's last logits from an eager forward of the prefill graph's shape (the prompt padded to its
-        bucket), so that its kernels, and its logits, are those of the graph's replays."""
+    def _prompt_logits(
+        self, hidden: torch.Tensor, input_ids: torch.Tensor, cache: PagedTinyLoopCache, slots: list[int]
+    ) -> torch.Tensor:
+        """After a padded prompt's forward: the cache holds the prompt's tokens alone (the pads' K/V lie past its
+        length, where the next tokens overwrite them); the last prompt token's logits."""
         steps = input_ids.shape[1]
-        self._check_prompt_length(steps)
-        ids, positions = self._prefill_inputs(key, input_ids)
-        ids[:, :steps].copy_(input_ids)
-        before = dict(cache.slot_lengths)
-        hidden = self._prefill_forward(key, ids, positions, cache)
-        written = [slot for slot, held in cache.slot_lengths.items() if held != before.get(slot)]
         cache.length = steps
-        cache.slot_lengths.update(dict.fromkeys(written, steps))
+        cache.slot_lengths.update(dict.fromkeys(slots, steps))
         return self.model.lm_head(hidden[:, steps - 1 : steps])
-
-    def _replay_prefill(self, entry: _Graph, input_ids: torch.Tensor, cache: PagedTinyLoopCache) -> torch.Tensor:
-        steps = input_ids.shape[1]
-        self._check_prompt_length(steps)
-        entry.input_ids.zero_()
-        entry.input_ids[:, :steps].copy_(input_ids)
-        entry.graph.replay()
-        cache.length = steps
-        cache.slot_lengths.update(dict.fromkeys(entry.slots, steps))
-        return self.model.lm_head(entry.output[:, steps - 1 : steps])
 
     @staticmethod
     def _positions(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any, cache: Any) -> torch.Tensor:
@@ -486,7 +496,7 @@ class CudaPath:
         finally:
             if collecting:
                 gc.enable()
-        slots = sorted(slot for slot, held in cache.slot_lengths.items() if held != slot_lengths.get(slot))
+        slots = _written_slots(slot_lengths, cache)
         cache.length, cache.slot_lengths = length, slot_lengths
         return graph, output, slots
 

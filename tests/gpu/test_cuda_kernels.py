@@ -108,6 +108,10 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
     layers = [_quant_layer(n, 576, fmt, seed=n, bias=n != 40).to(dtype) for n in (96, 40, 136)]
     weight = torch.cat([layer.dequantized_weight() for layer in layers]).float()
     bias = ops_cuda._stacked_bias(layers, dtype)
+    # gate / up with SwiGLU applied by the reduce launch (which runs with one split too); only gate has a bias.
+    pair = [_quant_layer(136, 576, fmt, seed=s, bias=s == 1).to(dtype) for s in (1, 2)]
+    pair_bias = ops_cuda._stacked_bias(pair, dtype)
+    pair_weight = torch.cat([layer.dequantized_weight() for layer in pair]).float()
     for rows in (5, 20, 33, 64, 65, 200):  # 16, 32 and 64 tokens a CTA
         x = torch.randn(rows, 576, device="cuda", dtype=dtype)
         assert ops_cuda.tile_gemm_serves(x, layers)
@@ -118,14 +122,11 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
             assert _relative_error(actual, expected) <= GEMV_TOLERANCE[dtype], (rows, splits, warps)
         one = ops_cuda.tile_gemm(x, layers[1:2], None)  # one matrix, no bias
         assert _relative_error(one, x.float() @ layers[1].dequantized_weight().float().T) <= GEMV_TOLERANCE[dtype]
-        # gate / up with SwiGLU applied by the reduce launch (which runs with one split too); only gate has a bias.
-        pair = [_quant_layer(136, 576, fmt, seed=s, bias=s == 1).to(dtype) for s in (1, 2)]
-        pair_bias = ops_cuda._stacked_bias(pair, dtype)
-        h = x.float() @ torch.cat([layer.dequantized_weight() for layer in pair]).float().T + pair_bias.float()
+        h = x.float() @ pair_weight.T + pair_bias.float()
+        expected_h = F.silu(h[:, :136]) * h[:, 136:]
         for splits in (1, 3):
             actual = ops_cuda.tile_gemm(x, pair, pair_bias, splits=splits, swiglu=True)
             assert actual.dtype == dtype and actual.shape == (rows, 136)
-            expected_h = F.silu(h[:, :136]) * h[:, 136:]
             assert _relative_error(actual, expected_h) <= GEMV_TOLERANCE[dtype], (rows, splits)
 
 
