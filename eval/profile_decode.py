@@ -79,12 +79,17 @@ def main() -> None:
         action="store_true",
         help="prompts and rows past GEMV_MAX_ROWS through dequantize + cuBLAS (ops_cuda.TILE_GEMM off)",
     )
+    parser.add_argument("--tile-max-rows", type=int, help="rows past which dequantize + cuBLAS serves (ops_cuda)")
     args = parser.parse_args()
     require_gpu("python -m tinyloop_hf.eval.profile_decode")
     if args.no_tile_gemm:
         from tinyloop_hf.kernels import ops_cuda
 
         ops_cuda.TILE_GEMM = False
+    if args.tile_max_rows is not None:
+        from tinyloop_hf.kernels import ops_cuda
+
+        ops_cuda.TILE_MAX_ROWS = args.tile_max_rows
     if args.no_programmatic_launch:
         from tinyloop_hf.kernels import loader
 

@@ -370,7 +370,8 @@ def project(x: torch.Tensor, layers: list[torch.nn.Module], swiglu: bool = False
     _check(x, "the activation")
     x = x.contiguous()
     quantized = [isinstance(layer, QuantLinear) for layer in layers]
-    tile = all(quantized) and TILE_GEMM and x.shape[0] >= TILE_MIN_ROWS and tile_gemm_serves(x, layers)
+    tile_rows = TILE_GEMM and TILE_MIN_ROWS <= x.shape[0] <= TILE_MAX_ROWS  # where it is the faster kernel
+    tile = all(quantized) and tile_rows and tile_gemm_serves(x, layers)
     if all(quantized) and not tile and x.shape[0] <= GEMV_MAX_ROWS and x.data_ptr() % 16 == 0:
         return _gemv(x, layers, swiglu)
     if all(quantized):  # prefill: the tile kernel, or one dequantized stack and one GEMM
@@ -407,8 +408,12 @@ def _stacked_bias(layers: list[QuantLinear], dtype: torch.dtype) -> torch.Tensor
 # (INT4 at batch 64 ran slower than bf16 for it: 5,019 against 6,353 tok/s, thirty-third session). H100, thirty-eighth
 # session: batch-64 replays 10.87 ms against 14.06, batch 40 9.10 against 12.57, a 128-token prompt's kernels 11.1 ms
 # against 11.4; at 16 rows it is slower than the 16-row kernel (QKV 10.6 against 6.4 us), hence TILE_MIN_ROWS.
+# Past 128 rows cuBLAS's GEMM wins and the dequantize launch is paid once for many rows (H100, thirty-ninth session,
+# kernels of one prompt forward: 256 rows 17.2 ms against 13.3, 512 rows 33.7 against 17.5, batch 16 x 128 tokens
+# 113.4 against 43.1), hence TILE_MAX_ROWS.
 TILE_GEMM = True
 TILE_MIN_ROWS = GEMV_MAX_ROWS + 1  # rows from which TILE_GEMM serves a projection (lower: A/B of the 16-row one)
+TILE_MAX_ROWS = 128  # rows past which dequantize + cuBLAS serves instead
 TILE_WARPS = 4  # warps per CTA, 16 weight rows each (8 is instantiated too, for measurements)
 TILE_NTS = (2, 4, 8)  # n-tiles of 8 tokens per CTA: 16, 32 or 64 tokens (the fewest that hold the rows; 64 past that)
 TILE_STAGES = 3  # kernels/gemm_quant_tile.cu TILE_STAGES: staged activation steps (dynamic shared memory)
@@ -416,7 +421,7 @@ TILE_WAVES = 2  # K is split across CTAs until the grid has about this many CTAs
 
 
 def tile_gemm_serves(x: torch.Tensor, layers: list[QuantLinear]) -> bool:
-    """Whether the tile kernel serves x [M, K] times these layers: a tensor-core format, one format and K for all,
+    """Whether the tile kernel can serve x [M, K] times these layers: a tensor-core format, one format and K for all,
     16-byte aligned contiguous activation rows, and whole 4-word lane chunks (as the 16-row tensor-core kernel)."""
     owner = layers[0]
     fmt, K = owner.format, owner.in_features
