@@ -131,11 +131,12 @@ def test_tile_gemm_matches_dequantize_then_matmul(bits, group, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, monkeypatch):
+def test_prefill_through_the_tile_kernel_is_the_exact_product(dtype, monkeypatch):
     """project() with ops_cuda.TILE_GEMM on (the default): fused QKV and SwiGLU through the tile kernel (the one that
-    ran), as close to the fp32 product of the dequantized weights as the GEMV, like the dequantize + cuBLAS path it
-    replaces. (Tile against cuBLAS directly, bound 1e-2, failed once in fp16 at 0.0117: the two paths' SwiGLU
-    roundings of gate and up add up; each path alone is within 2e-3 of the exact product.)"""
+    ran), within the GEMV tolerance of the fp32 product of the dequantized weights. (Compared with the dequantize +
+    cuBLAS path instead, bound 1e-2, it failed once in fp16 at 0.0117 on SwiGLU, 0.0036 on QKV, on an unseeded input,
+    thirty-ninth session: an error that large is cuBLAS's more likely than the tile kernel's, which its own test holds
+    to 2e-3 of the exact product in fp16, and torch lets cuBLAS reduce fp16 in reduced precision.)"""
     fmt = QuantFormat(bits=4, group_size=64)
     q, k, v = (_quant_layer(n, 256, fmt, seed=n, bias=True).to(dtype) for n in (128, 64, 64))
     gate, up = (_quant_layer(192, 256, fmt, seed=s).to(dtype) for s in (1, 2))
@@ -144,8 +145,6 @@ def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, mo
     expected_qkv = x.float() @ weight.T + torch.cat([q.bias, k.bias, v.bias]).float()
     h = x.float() @ torch.cat([gate.dequantized_weight(), up.dequantized_weight()]).float().T
     expected_mlp = F.silu(h[:, :192]) * h[:, 192:]
-    monkeypatch.setattr(ops_cuda, "TILE_GEMM", False)
-    cublas_qkv, cublas_mlp = ops_cuda.project(x, [q, k, v]), ops_cuda.project(x, [gate, up], swiglu=True)
     names = []
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.append(name) or kernel(file, name))
     monkeypatch.setattr(ops_cuda, "TILE_GEMM", True)
@@ -153,9 +152,8 @@ def test_prefill_through_the_tile_kernel_matches_dequantize_and_cublas(dtype, mo
     assert any(name.startswith("gemm_quant_tile<") for name in names), names
     assert not any(name.startswith("dequantize_weights") for name in names), names
     assert any(name.startswith("gemm_tile_reduce<") and name.endswith("true>") for name in names), names  # SwiGLU
-    for actual, expected in ((tile_qkv, expected_qkv), (tile_mlp, expected_mlp), (cublas_qkv, expected_qkv),
-                             (cublas_mlp, expected_mlp)):  # fmt: skip
-        assert _relative_error(actual, expected) <= GEMV_TOLERANCE[dtype]
+    assert _relative_error(tile_qkv, expected_qkv) <= GEMV_TOLERANCE[dtype]
+    assert _relative_error(tile_mlp, expected_mlp) <= GEMV_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
