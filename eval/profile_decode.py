@@ -15,6 +15,7 @@ import torch
 from tinyloop_hf import TinyLoopForCausalLM
 
 from .bench import base_model, build_ours, timed
+from .flags import at_least
 from .gpu import require_gpu
 
 
@@ -79,21 +80,15 @@ def main() -> None:
         action="store_true",
         help="prompts and rows past GEMV_MAX_ROWS through dequantize + cuBLAS (ops_cuda.TILE_GEMM off)",
     )
-    parser.add_argument("--tile-max-rows", type=int, help="rows past which dequantize + cuBLAS serves (ops_cuda)")
+    parser.add_argument("--tile-max-rows", type=at_least(1), help="rows past which dequantize + cuBLAS serves")
     args = parser.parse_args()
     require_gpu("python -m tinyloop_hf.eval.profile_decode")
-    if args.no_tile_gemm:
-        from tinyloop_hf.kernels import ops_cuda
+    from tinyloop_hf.kernels import loader, ops_cuda
 
-        ops_cuda.TILE_GEMM = False
+    ops_cuda.TILE_GEMM = not args.no_tile_gemm
     if args.tile_max_rows is not None:
-        from tinyloop_hf.kernels import ops_cuda
-
         ops_cuda.TILE_MAX_ROWS = args.tile_max_rows
-    if args.no_programmatic_launch:
-        from tinyloop_hf.kernels import loader
-
-        loader.PROGRAMMATIC_LAUNCH = False
+    loader.PROGRAMMATIC_LAUNCH = not args.no_programmatic_launch
     base = base_model(args.loops, 4096)
     model = build_ours(base, args.bits).use_cuda_path()
     del base
