@@ -60,10 +60,11 @@ __device__ __forceinline__ uint4 mul8(const uint4& a, const uint4& b) {
 // A deferred sandwich junction's per-row factors from its branch producer's sums (see JUNCTION): sums[m] = (sum b^2,
 // sum x u, sum u^2, sum x^2) over the row, u = w_branch * b; the branch norm's 1 / rms(b) and, since the new residual
 // h = x + u / rms(b), the next norm's 1 / rms(h) = rsqrt((sum x^2 + 2 r sum x u + r^2 sum u^2) / K + eps).
-__device__ __forceinline__ float2 junction_factors(const float* sums, int m, int K, float eps) {
-    const float4 s = reinterpret_cast<const float4*>(sums)[m];
-    const float r_branch = rsqrtf(s.x / K + eps);
-    const float h_squares = s.w + 2.0f * r_branch * s.y + r_branch * r_branch * s.z;
+__device__ __forceinline__ float2 junction_factors(const double* sums, int m, int K, float eps) {
+    const double2 s01 = reinterpret_cast<const double2*>(sums)[2 * m];
+    const double2 s23 = reinterpret_cast<const double2*>(sums)[2 * m + 1];
+    const float r_branch = rsqrtf(static_cast<float>(s01.x) / K + eps);
+    const float h_squares = static_cast<float>(s23.y + 2.0 * r_branch * s01.y + double(r_branch) * r_branch * s23.x);
     return make_float2(r_branch, rsqrtf(fmaxf(h_squares, 0.0f) / K + eps));
 }
 
@@ -81,7 +82,9 @@ __device__ __forceinline__ float2 junction_factors(const float* sums, int m, int
 // per token as r_h (acc_x + r_b acc_b). It also writes the new residual stream h (each CTA a slice, rounded as the
 // junction kernel rounds) and zeroes `zero_sums`, the sums buffer the next producer accumulates into.
 // DEFERRED = 2 (SUMS, the branch producer; plain launches): after rounding its output b, each CTA adds its columns'
-// shares of (b^2, x u, u^2, x^2) per token (u = sums_weight * b, x = sums_x) into sums_out [M][4] with atomics.
+// shares of (b^2, x u, u^2, x^2) per token (u = sums_weight * b, x = sums_x) into sums_out [M][4] with fp64 atomics:
+// the CTAs' fp32 shares add up exactly in fp64 (or nearly: within 53 bits), so the sums do not depend on the order
+// the CTAs arrive in, and graph replays give the eager step's numbers.
 // An 8-warp consumer is held to 128 registers (2 CTAs per SM; unbounded it takes 136-142 at INT4).
 template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, int DEFERRED, bool ROPE>
 __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 0) gemm_quant_mma(
@@ -96,8 +99,8 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
     int scale_is_bf16, int midpoint, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages,
     T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
     const T* __restrict__ branch, const T* __restrict__ w_branch, const T* __restrict__ w_next,
-    const float* __restrict__ sums, T* __restrict__ total, float* __restrict__ zero_sums, float eps,
-    const T* __restrict__ sums_x, const T* __restrict__ sums_weight, float* __restrict__ sums_out) {
+    const double* __restrict__ sums, T* __restrict__ total, double* __restrict__ zero_sums, float eps,
+    const T* __restrict__ sums_x, const T* __restrict__ sums_weight, double* __restrict__ sums_out) {
     static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
     constexpr bool JUNCTION = DEFERRED == 1, SUMS = DEFERRED == 2;
     static_assert(!SUMS || !(ROPE || SWIGLU), "row sums are made by plain launches");
@@ -226,7 +229,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
             }
             store_row8(total + static_cast<long long>(m) * K + col, xs);
         }
-        if (zero_sums != nullptr && blockIdx.x == 0 && threadIdx.x < 4 * M) zero_sums[threadIdx.x] = 0.0f;
+        if (zero_sums != nullptr && blockIdx.x == 0 && threadIdx.x < 4 * M) zero_sums[threadIdx.x] = 0.0;
     }
     // Sum the warps' partial products per matrix: [warp][n-tile][c][lane], conflict-free by lane. A deferred junction
     // first combines its two sets per token: r_h (acc_x + r_b acc_b).
@@ -330,6 +333,6 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
                 v += __shfl_xor_sync(0xffffffffu, v, 8);
                 v += __shfl_xor_sync(0xffffffffu, v, 16);
                 const int token = 8 * nt + 2 * t + j;
-                if (g == 0 && token < M) atomicAdd(sums_out + 4 * token + q, v);
+                if (g == 0 && token < M) atomicAdd(sums_out + 4 * token + q, static_cast<double>(v));
             }
 }

@@ -555,7 +555,7 @@ def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.T
 # layer application (H200, thirty-third session). With DEFERRED_JUNCTION a sandwich junction runs in the tensor-core
 # launch after it instead: the branch's producer (o_proj, down_proj) adds the row sums both norms need, and the
 # consumer (QKV, gate/up) projects the residual stream and the branch separately and combines them per row
-# (gemm_quant_mma.cu, JUNCTION). The producer's float atomics make the sums' rounding order vary between runs.
+# (gemm_quant_mma.cu, JUNCTION; the sums in fp64, so that their order does not change them).
 # A/B: ablate_decode --deferred-junction.
 DEFERRED_JUNCTION = False
 _ROW_SUMS = "_tinyloop_row_sums"  # attribute of a branch tensor: its _RowSums
@@ -563,7 +563,7 @@ _ROW_SUMS = "_tinyloop_row_sums"  # attribute of a branch tensor: its _RowSums
 
 @dataclass(frozen=True)
 class _RowSums:
-    """A branch's per-row sums [M, 4] fp32 (b^2, x u, u^2, x^2; u = output_weight * b) against the residual stream x
+    """A branch's per-row sums [M, 4] fp64 (b^2, x u, u^2, x^2; u = output_weight * b) against the residual stream x
     of the junction after it."""
 
     residual: torch.Tensor
@@ -592,7 +592,7 @@ def _sums_buffer(junction: Junction) -> torch.Tensor | None:
         return None
     if not MMA_MIN_ROWS <= rows <= 16:
         return None
-    return torch.empty(rows, 4, dtype=torch.float32, device=x.device)
+    return torch.empty(rows, 4, dtype=torch.float64, device=x.device)
 
 
 def _zeroed(sums: torch.Tensor | None) -> torch.Tensor | None:
