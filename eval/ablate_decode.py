@@ -159,6 +159,11 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
          "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
          "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
     ],
+    # The deferred junctions' 8-warp consumer launches (--deferred-junction) at other register bounds than 128 (2 CTAs
+    # per SM): 80 (3 CTAs per SM, as the plain launches, with 50-400 bytes of spills) or unbounded (136-142, 1 CTA).
+    "mma-deferred-3-ctas": [("gemm_quant_mma.cu", "DEFERRED == 1 && WARPS == 8 ? 2 : 0",
+                         "DEFERRED == 1 && WARPS == 8 ? 3 : 0")],
+    "mma-deferred-1-cta": [("gemm_quant_mma.cu", "DEFERRED == 1 && WARPS == 8 ? 2 : 0", "0")],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
