@@ -644,10 +644,8 @@ def _produce_branch(
 _BranchOutput = Callable[[torch.Tensor, list[Any], tuple[int, ...]], torch.Tensor]  # (rows, layers, shape) -> branch
 
 
-def _branch_output(residual: torch.Tensor, junction: Junction, sums: torch.Tensor | None) -> _BranchOutput | None:
-    """The output projection of a sublayer whose branch may carry row sums (see _produce_branch), or None."""
-    if sums is None:
-        return None
+def _branch_output(residual: torch.Tensor, junction: Junction, sums: torch.Tensor | None) -> _BranchOutput:
+    """The output projection of a sublayer whose branch may carry row sums (see _produce_branch)."""
     return lambda rows, layers, shape: _produce_branch(rows, layers, shape, residual, junction, sums)
 
 
