@@ -140,13 +140,13 @@ def test_a_packed_embedding_lookup_is_one_launch(launches):
     assert int(args[5]) == 256 and int(args[7]) == 64  # table rows, K
 
 
-def _ouro_decode_step(launches: list) -> tuple:
+def _ouro_decode_step(launches: list, batch: int = 1) -> tuple:
     """An INT4 Ouro model (2 loop-block layers x 3 loops, sandwich norms) and its cache, with ``launches`` holding
-    the kernels of one decode step after an 8-token prompt, from its first layer on (the step's RoPE angles, one
-    launch, come first and are checked and dropped here)."""
+    the kernels of one decode step of ``batch`` rows after an 8-token prompt, from its first layer on (the step's RoPE
+    angles, one launch, come first and are checked and dropped here)."""
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (1, 9))
+    ids = torch.randint(1, 256, (batch, 9))
     with torch.no_grad():
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         launches.clear()
@@ -254,13 +254,7 @@ def test_deferred_junctions_chain_their_row_sums_through_the_projections(launche
     before it wrote; every later QKV / gate-up launch (DEFERRED = 1) reads the sums of the producer before it, writes
     the residual stream the next producer reads and zeroes that producer's sums."""
     monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", True)
-    model = _model("ouro", 4)
-    cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (4, 9))
-    with torch.no_grad():
-        model(ids[:, :8], past_key_values=cache, use_cache=True)
-        launches.clear()
-        model(ids[:, 8:], past_key_values=cache, use_cache=True)
+    model, _ = _ouro_decode_step(launches, batch=4)
     config = model.config
     names = [name for _, name, *_ in launches]
     assert sum(name.startswith("residual_norm") for name in names) == 2 * config.num_loops
