@@ -401,8 +401,17 @@ def _agree_up_to_a_near_tie(got, want, scores):
         assert margin < 0.05, f"tokens part at step {step} with a score margin of {margin}"
 
 
-@pytest.mark.parametrize("variant,quant", [("ouro", "fp16"), ("huginn", "int4-g32"), ("llama", "int8")])
-def test_self_speculation_on_the_cuda_path(variant, quant):
+@pytest.mark.parametrize(
+    "variant,quant,deferred",
+    [("ouro", "fp16", False), ("huginn", "int4-g32", False), ("llama", "int8", False),
+     pytest.param("ouro", "int4-g32", True, id="ouro-int4-g32-deferred")],
+)  # fmt: skip
+def test_self_speculation_on_the_cuda_path(variant, quant, deferred, monkeypatch):
+    """Self-speculative greedy decoding agrees with plain greedy decoding; ``deferred``: with ops_cuda.DEFERRED_JUNCTION
+    (its junctions then run in the verifier's QKV / gate-up launches over k + 1 tokens a row, too)."""
+    from tinyloop_hf.kernels import ops_cuda
+
+    monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", deferred)
     model = _model(variant, QUANTS[quant], num_loops=3).use_cuda_path()
     ids = IDS[:2].cuda()
     mask = torch.ones_like(ids)
