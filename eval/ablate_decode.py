@@ -62,8 +62,8 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     "gemv-x": [("gemv_dot.cuh", "xv[m][v] = reinterpret_cast<const uint4*>(x + m * ldx + col0)[v];",
                 "xv[m][v] = make_uint4(col0, m, v, 0x3c003c00u);")],
     "gemv-math": [("gemv_dot.cuh", _T2, _T2 + _FOLD_GEMV)],
-    "mma-x": [("gemm_quant_mma.cu", "xv[set][nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
-               "xv[set][nt][v] = make_uint4(lane, token, v, first);")],
+    "mma-x": [("gemm_quant_mma.cu", "loaded = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
+               "loaded = make_uint4(lane, token, v, first);")],
     "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE, SETS>(flo, fhi, xv, {sums});",
                   _FOLD_MMA.replace("SUMS", sums)) for sums in ("step", "acc")],
     # The fused decode kernel (batch 1): its projection loops emptied (fused_profile --no-math); or its weight stream
@@ -161,9 +161,8 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     ],
     # The deferred junctions' 8-warp consumer launches (--deferred-junction) at other register bounds than 128 (2 CTAs
     # per SM): 80 (3 CTAs per SM, as the plain launches, with 50-400 bytes of spills) or unbounded (136-142, 1 CTA).
-    "mma-deferred-3-ctas": [("gemm_quant_mma.cu", "DEFERRED == 1 && WARPS == 8 ? 2 : 0",
-                         "DEFERRED == 1 && WARPS == 8 ? 3 : 0")],
-    "mma-deferred-1-cta": [("gemm_quant_mma.cu", "DEFERRED == 1 && WARPS == 8 ? 2 : 0", "0")],
+    "mma-deferred-3-ctas": [("gemm_quant_mma.cu", "&& WARPS == 8 ? 2 : 0", "&& WARPS == 8 ? 3 : 0")],
+    "mma-deferred-1-cta": [("gemm_quant_mma.cu", "&& WARPS == 8 ? 2 : 0", "&& WARPS == 8 ? 0 : 0")],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
@@ -229,6 +228,8 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile-waves", type=int, help="CTAs per SM its K split aims for (ops_cuda.TILE_WAVES)")
     parser.add_argument("--deferred-junction", action="store_true",
                         help="sandwich junctions in the projection after them (ops_cuda.DEFERRED_JUNCTION)")
+    parser.add_argument("--deferred-combined", action="store_true",
+                        help="their consumers fold the branch in as it arrives (ops_cuda.DEFERRED_COMBINED)")
     # fmt: on
 
 
@@ -246,7 +247,8 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.tile_waves:
         ops_cuda.TILE_WAVES = args.tile_waves
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
-    ops_cuda.DEFERRED_JUNCTION = args.deferred_junction
+    ops_cuda.DEFERRED_JUNCTION = args.deferred_junction or args.deferred_combined
+    ops_cuda.DEFERRED_COMBINED = args.deferred_combined
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:
         ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1
@@ -285,7 +287,8 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += f", {args.fused_inflight} batches in flight" if args.fused_inflight else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
-    label += ", deferred junctions" if args.deferred_junction else ""
+    label += ", deferred junctions" if args.deferred_junction or args.deferred_combined else ""
+    label += " (combined)" if args.deferred_combined else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     if args.paged_wide:
         threads, unroll = args.paged_wide

@@ -57,6 +57,17 @@ __device__ __forceinline__ uint4 mul8(const uint4& a, const uint4& b) {
     return out;
 }
 
+// c + a * r for each T pair of 16-byte vectors a and c (one fused multiply-add, rounded to T, per pair).
+template <typename T>
+__device__ __forceinline__ uint4 fma8(const uint4& a, typename Vec2<T>::type r, const uint4& c) {
+    uint4 out;
+    out.x = vec2_bits<T>(__hfma2(bits_as_vec2<T>(a.x), r, bits_as_vec2<T>(c.x)));
+    out.y = vec2_bits<T>(__hfma2(bits_as_vec2<T>(a.y), r, bits_as_vec2<T>(c.y)));
+    out.z = vec2_bits<T>(__hfma2(bits_as_vec2<T>(a.z), r, bits_as_vec2<T>(c.z)));
+    out.w = vec2_bits<T>(__hfma2(bits_as_vec2<T>(a.w), r, bits_as_vec2<T>(c.w)));
+    return out;
+}
+
 // A deferred sandwich junction's per-row factors from its branch producer's sums (see JUNCTION): sums[m] = (sum b^2,
 // sum x u, sum u^2, sum x^2) over the row, u = w_branch * b; the branch norm's 1 / rms(b) and, since the new residual
 // h = x + u / rms(b), the next norm's 1 / rms(h) = rsqrt((sum x^2 + 2 r sum x u + r^2 sum u^2) / K + eps).
@@ -74,20 +85,22 @@ __device__ __forceinline__ float2 junction_factors(const double* sums, int m, in
 // [M, Hq, D] and rotated K / V into each row's page slot (16-token pages, T), replacing y and the rope_kv_append
 // kernel (rope_epilogue.cuh: the same arithmetic). Needs D % 16 == 0.
 //
-// Deferred sandwich junctions (an experiment, ops_cuda.DEFERRED_JUNCTION), DEFERRED = 1 (JUNCTION): x is the residual
-// stream and the
-// launch's input is norm(x + norm(b; w_branch); w_next) without the junction kernel. Its row statistics come from the
-// branch's producer (sums, see SUMS below); since norm(h) W = r_h (h * w_next) W and h = x + r_b (w_branch * b), the
-// kernel projects two activation sets, x * w_next and (b * w_branch) * w_next, into two accumulators and combines them
-// per token as r_h (acc_x + r_b acc_b). It also writes the new residual stream h (each CTA a slice, rounded as the
-// junction kernel rounds) and zeroes `zero_sums`, the sums buffer the next producer accumulates into.
+// Deferred sandwich junctions (an experiment, ops_cuda.DEFERRED_JUNCTION), DEFERRED = 1 or 3 (JUNCTION): x is the
+// residual stream and the launch's input is norm(x + norm(b; w_branch); w_next) without the junction kernel. Its row
+// statistics come from the branch's producer (sums, see SUMS below); since norm(h) W = r_h (h * w_next) W and
+// h = x + r_b (w_branch * b), the kernel (1) projects two activation sets, x * w_next and (b * w_branch) * w_next, into
+// two accumulators and combines them per token as r_h (acc_x + r_b acc_b); or (3, COMBINED) forms h * w_next as the
+// activations arrive, in T with r_b split in two T values (hi + lo: no rounding of r_b itself), and projects that
+// one set (half the mma, one accumulator, registers freed once the branch is folded in), scaled by r_h at the end.
+// It also writes the new residual stream h (each CTA a slice, rounded as the junction kernel rounds) and zeroes
+// `zero_sums`, the sums buffer the next producer accumulates into.
 // DEFERRED = 2 (SUMS, the branch producer; plain launches): after rounding its output b, each CTA adds its columns'
 // shares of (b^2, x u, u^2, x^2) per token (u = sums_weight * b, x = sums_x) into sums_out [M][4] with fp64 atomics:
 // the CTAs' fp32 shares add up exactly in fp64 (or nearly: within 53 bits), so the sums do not depend on the order
 // the CTAs arrive in, and graph replays give the eager step's numbers.
 // An 8-warp consumer is held to 128 registers (2 CTAs per SM; unbounded it takes 136-142 at INT4).
 template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, int DEFERRED, bool ROPE>
-__global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 0) gemm_quant_mma(
+__global__ void __launch_bounds__(32 * WARPS, (DEFERRED == 1 || DEFERRED == 3) && WARPS == 8 ? 2 : 0) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
@@ -102,11 +115,11 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
     const double* __restrict__ sums, T* __restrict__ total, double* __restrict__ zero_sums, float eps,
     const T* __restrict__ sums_x, const T* __restrict__ sums_weight, double* __restrict__ sums_out) {
     static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
-    constexpr bool JUNCTION = DEFERRED == 1, SUMS = DEFERRED == 2;
+    constexpr bool JUNCTION = DEFERRED == 1 || DEFERRED == 3, COMBINED = DEFERRED == 3, SUMS = DEFERRED == 2;
     static_assert(!SUMS || !(ROPE || SWIGLU), "row sums are made by plain launches");
     constexpr int cpw = Layout<BITS>::cols_per_word;
     constexpr int MATS = SWIGLU ? 2 : 1;
-    constexpr int SETS = JUNCTION ? 2 : 1;
+    constexpr int SETS = JUNCTION && !COMBINED ? 2 : 1;
     constexpr int XV = cpw / 2;  // uint4 activation pieces per lane and token: 4 words x cpw columns x 2 bytes / 16
     pdl_trigger();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -145,14 +158,27 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
     };
     if (k_warp * 16 < words) load_step(k_warp * 16);
     pdl_wait();  // the first step's weights are in flight; x and the outputs belong to earlier kernels
+    using T2 = typename Vec2<T>::type;
+    T2 r_hi[NT], r_lo[NT];  // COMBINED: r_b of the lane's activation tokens (8 nt + g) as hi + lo, both in T
+    if constexpr (COMBINED) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const int token = 8 * nt + g;
+            const float r = token < M ? junction_factors(sums, token, K, eps).x : 0.0f;
+            const T hi = from_float<T>(r), lo = from_float<T>(r - to_float(hi));
+            r_hi[nt] = T2{hi, hi};
+            r_lo[nt] = T2{lo, lo};
+        }
+    }
     for (int first = k_warp * 16; first < words; first += 16 * K_WARPS) {
         const int first_word = first + 4 * t;
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
         const RowChunk lo = next_lo, hi = next_hi;
         if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
         uint4 xv[SETS][NT][XV];
+        uint4 bv[COMBINED ? NT : 1][XV];  // COMBINED: the branch, folded into xv below
 #pragma unroll
-        for (int set = 0; set < SETS; ++set)
+        for (int set = 0; set < SETS + (COMBINED ? 1 : 0); ++set)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int token = 8 * nt + g;
@@ -160,10 +186,28 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
                 const uint4* src = reinterpret_cast<const uint4*>(rows + static_cast<long long>(token) * ldx +
                                                                   first_word * cpw);
 #pragma unroll
-                for (int v = 0; v < XV; ++v)
-                    xv[set][nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+                for (int v = 0; v < XV; ++v) {
+                    const uint4 loaded = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
+                    if (COMBINED && set == 1) bv[COMBINED ? nt : 0][v] = loaded;
+                    else xv[set < SETS ? set : 0][nt][v] = loaded;
+                }
             }
-        if constexpr (JUNCTION) {
+        if constexpr (COMBINED) {
+            // h * w_next = (x + r_lo u + r_hi u) * w_next, u = b * w_branch, each pair in T.
+            if (valid) {
+                const uint4* wb = reinterpret_cast<const uint4*>(w_branch + first_word * cpw);
+                const uint4* wn = reinterpret_cast<const uint4*>(w_next + first_word * cpw);
+#pragma unroll
+                for (int v = 0; v < XV; ++v) {
+                    const uint4 b_weight = __ldg(wb + v), n_weight = __ldg(wn + v);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint4 u = mul8<T>(bv[nt][v], b_weight);
+                        xv[0][nt][v] = mul8<T>(fma8<T>(u, r_hi[nt], fma8<T>(u, r_lo[nt], xv[0][nt][v])), n_weight);
+                    }
+                }
+            }
+        } else if constexpr (JUNCTION) {
             // The norm weights of the lane's columns (the same for every token): x * w_next, (b * w_branch) * w_next.
             if (valid) {
                 const uint4* wb = reinterpret_cast<const uint4*>(w_branch + first_word * cpw);
@@ -243,7 +287,9 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED == 1 && WARPS == 8 ? 2 : 
                 const float2 factors = token < M ? junction_factors(sums, token, K, eps) : make_float2(0.0f, 0.0f);
 #pragma unroll
                 for (int c = j; c < 4; c += 2)
-                    partial[warp][nt][c][lane] = factors.y * fmaf(factors.x, acc[SETS - 1][nt][c], acc[0][nt][c]);
+                    partial[warp][nt][c][lane] = COMBINED ? factors.y * acc[0][nt][c]
+                                                          : factors.y * fmaf(factors.x, acc[SETS - 1][nt][c],
+                                                                             acc[0][nt][c]);
             }
     } else {
 #pragma unroll

@@ -68,7 +68,7 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
                               for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))
-                              for d in (0, *((1,) if full or w == 8 else ()),
+                              for d in (0, *((1, 3) if full or w == 8 else ()),
                                         *((2,) if (sw, rope) == ("false", "false") and (full or w == 16) else ()))],
         "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {nt}, {w}>" for b in MMA_BITS for t in types
                                for nt in TILE_NTS for w in ((4, 8) if full else (TILE_WARPS,))
@@ -280,7 +280,8 @@ def _gemv(
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
-            deferred_mode = 1 if consumer else (2 if sums is not _NO_SUMS else 0)  # gemm_quant_mma.cu DEFERRED
+            # gemm_quant_mma.cu DEFERRED: the consumer's kind (1 or 3), the producer (2), neither (0)
+            deferred_mode = (3 if DEFERRED_COMBINED else 1) if consumer else (2 if sums is not _NO_SUMS else 0)
             name = f"{name.removesuffix(', 0, false>')}, {deferred_mode}, {str(with_rope).lower()}>"
             args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE), *deferred, *sums)
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
@@ -555,9 +556,11 @@ def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.T
 # layer application (H200, thirty-third session). With DEFERRED_JUNCTION a sandwich junction runs in the tensor-core
 # launch after it instead: the branch's producer (o_proj, down_proj) adds the row sums both norms need, and the
 # consumer (QKV, gate/up) projects the residual stream and the branch separately and combines them per row
-# (gemm_quant_mma.cu, JUNCTION; the sums in fp64, so that their order does not change them).
-# A/B: ablate_decode --deferred-junction.
+# (gemm_quant_mma.cu, JUNCTION; the sums in fp64, so that their order does not change them). DEFERRED_COMBINED: the
+# consumer folds the branch into the residual stream as they arrive and projects one set (gemm_quant_mma.cu COMBINED)
+# instead of projecting both into two accumulators. A/B: ablate_decode --deferred-junction [--deferred-combined].
 DEFERRED_JUNCTION = False
+DEFERRED_COMBINED = False
 _ROW_SUMS = "_tinyloop_row_sums"  # attribute of a branch tensor: its _RowSums
 
 

@@ -248,23 +248,26 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
 
 
-def test_deferred_junctions_chain_their_row_sums_through_the_projections(launches, monkeypatch):
+@pytest.mark.parametrize("combined", [False, True])
+def test_deferred_junctions_chain_their_row_sums_through_the_projections(launches, monkeypatch, combined):
     """ops_cuda.DEFERRED_JUNCTION: a batched Ouro step launches the junction kernel only where a loop starts and ends.
     Every O / down launch adds row sums (DEFERRED = 2) against the residual stream that the QKV / gate-up launch
-    before it wrote; every later QKV / gate-up launch (DEFERRED = 1) reads the sums of the producer before it, writes
-    the residual stream the next producer reads and zeroes that producer's sums."""
+    before it wrote; every later QKV / gate-up launch (DEFERRED = 1, or 3 with DEFERRED_COMBINED) reads the sums of
+    the producer before it, writes the residual stream the next producer reads and zeroes that producer's sums."""
     monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", True)
+    monkeypatch.setattr(ops_cuda, "DEFERRED_COMBINED", combined)
     model, _ = _ouro_decode_step(launches, batch=4)
     config = model.config
     names = [name for _, name, *_ in launches]
     assert sum(name.startswith("residual_norm") for name in names) == 2 * config.num_loops
     mma = [(name, args) for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
     modes = [int(name.split(", ")[-2]) for name, _ in mma]
-    later_blocks = [1, 2, 1, 2] * (config.num_loop_layers - 1)  # QKV, O, gate/up, down
+    consumer = 3 if combined else 1
+    later_blocks = [consumer, 2, consumer, 2] * (config.num_loop_layers - 1)  # QKV, O, gate/up, down
     assert modes == ([0, 0, 0, 2] + later_blocks) * config.num_loops
     consumed = 0
     for i, mode in enumerate(modes):
-        if mode != 1:
+        if mode != consumer:
             continue
         consumed += 1
         producer, following = mma[i - 1][1], mma[i + 1][1]

@@ -107,7 +107,8 @@ _ABLATED_KERNELS = {
                       "gemv_quant<4, __half, 8, 4, true, 4, false>"],
     "gemm_quant_mma.cu": ["gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, 0, true>",
                           "gemm_quant_mma<2, __half, 1, true, false, 16, 0, false>",
-                          "gemm_quant_mma<4, __nv_bfloat16, 2, true, true, 8, 1, false>"],  # a deferred junction
+                          "gemm_quant_mma<4, __nv_bfloat16, 2, true, true, 8, 1, false>",  # deferred junctions
+                          "gemm_quant_mma<4, __nv_bfloat16, 2, false, true, 8, 3, true>"],
     "fused_decode.cu": ["fused::fused_decode<__nv_bfloat16, 128, 1, 384>"],
     "paged_attention.cu": ["paged_decode<__nv_bfloat16, 0, 1, 1, 128, 256, 8>",  # the default wide shape
                            "paged_decode<__half, 1, 8, 8, 64, 128, 4>"],

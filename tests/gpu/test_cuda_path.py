@@ -64,14 +64,16 @@ def test_cuda_path_matches_reference_path(variant, quant):
 
 @pytest.mark.parametrize("quant", ["int4-g32", "int8", "int2-g32-head8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_deferred_junctions_match_reference_path(quant, dtype, monkeypatch):
+@pytest.mark.parametrize("combined", [False, True])
+def test_deferred_junctions_match_reference_path(quant, dtype, combined, monkeypatch):
     """ops_cuda.DEFERRED_JUNCTION (Ouro's sandwich junctions inside the QKV and gate/up launches, their row sums added
-    by the O and down launches): decode steps of 5 and 16 rows against the reference path, with the deferred launches
-    and their producers' sums actually run; graph replays give the eager steps' logits exactly (the fp64 sums do not
-    depend on the order the CTAs add them in)."""
+    by the O and down launches; both consumers): decode steps of 5 and 16 rows against the reference path, with the
+    deferred launches and their producers' sums actually run; graph replays give the eager steps' logits exactly (the
+    fp64 sums do not depend on the order the CTAs add them in)."""
     from tinyloop_hf.kernels import ops_cuda
 
     monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", True)
+    monkeypatch.setattr(ops_cuda, "DEFERRED_COMBINED", combined)
     names, kernel = set(), ops_cuda.kernel
     monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.add(name) or kernel(file, name))
     reference = _model("ouro", QUANTS[quant], dtype)
@@ -84,7 +86,7 @@ def test_deferred_junctions_match_reference_path(quant, dtype, monkeypatch):
         assert (got - want).abs().max() <= 1e-2 * want.abs().max()
         assert torch.equal(decode_logits(graphs, ids, 6, graphs.new_cache()), got)
     deferred_modes = {name.split(", ")[-2] for name in names if name.startswith("gemm_quant_mma")}
-    assert {"1", "2"} <= deferred_modes
+    assert {"3" if combined else "1", "2"} <= deferred_modes
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
