@@ -192,8 +192,10 @@ __global__ void __launch_bounds__(32 * WARPS, (DEFERRED == 1 || DEFERRED == 3) &
                     else xv[set < SETS ? set : 0][nt][v] = loaded;
                 }
             }
-        if constexpr (COMBINED) {
-            // h * w_next = (x + r_lo u + r_hi u) * w_next, u = b * w_branch, each pair in T.
+        if constexpr (JUNCTION) {
+            // The norm weights of the lane's columns (the same for every token). COMBINED: h * w_next =
+            // (x + r_lo u + r_hi u) * w_next with u = b * w_branch, each pair in T; otherwise the two sets x * w_next
+            // and (b * w_branch) * w_next.
             if (valid) {
                 const uint4* wb = reinterpret_cast<const uint4*>(w_branch + first_word * cpw);
                 const uint4* wn = reinterpret_cast<const uint4*>(w_next + first_word * cpw);
@@ -202,23 +204,14 @@ __global__ void __launch_bounds__(32 * WARPS, (DEFERRED == 1 || DEFERRED == 3) &
                     const uint4 b_weight = __ldg(wb + v), n_weight = __ldg(wn + v);
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
-                        const uint4 u = mul8<T>(bv[nt][v], b_weight);
-                        xv[0][nt][v] = mul8<T>(fma8<T>(u, r_hi[nt], fma8<T>(u, r_lo[nt], xv[0][nt][v])), n_weight);
-                    }
-                }
-            }
-        } else if constexpr (JUNCTION) {
-            // The norm weights of the lane's columns (the same for every token): x * w_next, (b * w_branch) * w_next.
-            if (valid) {
-                const uint4* wb = reinterpret_cast<const uint4*>(w_branch + first_word * cpw);
-                const uint4* wn = reinterpret_cast<const uint4*>(w_next + first_word * cpw);
-#pragma unroll
-                for (int v = 0; v < XV; ++v) {
-                    const uint4 b_weight = __ldg(wb + v), n_weight = __ldg(wn + v);
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        xv[0][nt][v] = mul8<T>(xv[0][nt][v], n_weight);
-                        xv[1][nt][v] = mul8<T>(mul8<T>(xv[1][nt][v], b_weight), n_weight);
+                        if constexpr (COMBINED) {
+                            const uint4 u = mul8<T>(bv[nt][v], b_weight);
+                            const uint4 h = fma8<T>(u, r_hi[nt], fma8<T>(u, r_lo[nt], xv[0][nt][v]));
+                            xv[0][nt][v] = mul8<T>(h, n_weight);
+                        } else {
+                            xv[0][nt][v] = mul8<T>(xv[0][nt][v], n_weight);
+                            xv[SETS - 1][nt][v] = mul8<T>(mul8<T>(xv[SETS - 1][nt][v], b_weight), n_weight);
+                        }
                     }
                 }
             }
