@@ -98,9 +98,10 @@ __device__ __forceinline__ float2 junction_factors(const double* sums, int m, in
 // shares of (b^2, x u, u^2, x^2) per token (u = sums_weight * b, x = sums_x) into sums_out [M][4] with fp64 atomics:
 // the CTAs' fp32 shares add up exactly in fp64 (or nearly: within 53 bits), so the sums do not depend on the order
 // the CTAs arrive in, and graph replays give the eager step's numbers.
-// An 8-warp consumer is held to 128 registers (2 CTAs per SM; unbounded it takes 136-142 at INT4).
+// An 8-warp consumer (DEFERRED odd: 1 or 3) is held to 128 registers (2 CTAs per SM; unbounded, DEFERRED = 1 takes
+// 136-142 at INT4).
 template <int BITS, typename T, int NT, bool SWIGLU, bool POST_SCALE, int WARPS, int DEFERRED, bool ROPE>
-__global__ void __launch_bounds__(32 * WARPS, (DEFERRED == 1 || DEFERRED == 3) && WARPS == 8 ? 2 : 0) gemm_quant_mma(
+__global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 2 : 0) gemm_quant_mma(
     const T* __restrict__ x, int M, int ldx,
     const unsigned* qw0, const unsigned* qh0, const unsigned short* sc0, const unsigned char* zr0, const T* bias0,
     int N0,
