@@ -62,8 +62,8 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     "gemv-x": [("gemv_dot.cuh", "xv[m][v] = reinterpret_cast<const uint4*>(x + m * ldx + col0)[v];",
                 "xv[m][v] = make_uint4(col0, m, v, 0x3c003c00u);")],
     "gemv-math": [("gemv_dot.cuh", _T2, _T2 + _FOLD_GEMV)],
-    "mma-x": [("gemm_quant_mma.cu", "loaded = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
-               "loaded = make_uint4(lane, token, v, first);")],
+    "mma-x": [("gemm_quant_mma.cu", "dst[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
+               "dst[nt][v] = make_uint4(lane, token, v, first);")],
     "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE, SETS>(flo, fhi, xv, {sums});",
                   _FOLD_MMA.replace("SUMS", sums)) for sums in ("step", "acc")],
     # The fused decode kernel (batch 1): its projection loops emptied (fused_profile --no-math); or its weight stream

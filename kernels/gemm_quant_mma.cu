@@ -87,7 +87,7 @@ __device__ __forceinline__ float2 junction_factors(const double* sums, int m, in
 //
 // Deferred sandwich junctions (an experiment, ops_cuda.DEFERRED_JUNCTION), DEFERRED = 1 or 3 (JUNCTION): x is the
 // residual stream and the launch's input is norm(x + norm(b; w_branch); w_next) without the junction kernel. Its row
-// statistics come from the branch's producer (sums, see SUMS below); since norm(h) W = r_h (h * w_next) W and
+// statistics come from the branch's producer (branch_sums, see SUMS below); since norm(h) W = r_h (h * w_next) W and
 // h = x + r_b (w_branch * b), the kernel (1) projects two activation sets, x * w_next and (b * w_branch) * w_next, into
 // two accumulators and combines them per token as r_h (acc_x + r_b acc_b); or (3, COMBINED) forms h * w_next as the
 // activations arrive, in T with r_b split in two T values (hi + lo: no rounding of r_b itself), and projects that
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
     int scale_is_bf16, int midpoint, const float* rope_cos, const float* rope_sin, T* q_out, T* k_pages,
     T* v_pages, const int* block_table, const int* positions, int max_blocks, int Hq, int Hkv, int D, int layout,
     const T* __restrict__ branch, const T* __restrict__ w_branch, const T* __restrict__ w_next,
-    const double* __restrict__ sums, T* __restrict__ total, double* __restrict__ zero_sums, float eps,
+    const double* __restrict__ branch_sums, T* __restrict__ total, double* __restrict__ zero_sums, float eps,
     const T* __restrict__ sums_x, const T* __restrict__ sums_weight, double* __restrict__ sums_out) {
     static_assert(!(ROPE && SWIGLU), "the RoPE epilogue serves the QKV projection");
     constexpr bool JUNCTION = DEFERRED == 1 || DEFERRED == 3, COMBINED = DEFERRED == 3, SUMS = DEFERRED == 2;
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             const int token = 8 * nt + g;
-            const float r = token < M ? junction_factors(sums, token, K, eps).x : 0.0f;
+            const float r = token < M ? junction_factors(branch_sums, token, K, eps).x : 0.0f;
             const T hi = from_float<T>(r), lo = from_float<T>(r - to_float(hi));
             r_hi[nt] = T2{hi, hi};
             r_lo[nt] = T2{lo, lo};
@@ -176,23 +176,22 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
         const bool valid = first_word < words;  // words % 4 == 0: a lane's 4 words are all in or all out
         const RowChunk lo = next_lo, hi = next_hi;
         if (first + 16 * K_WARPS < words) load_step(first + 16 * K_WARPS);
-        uint4 xv[SETS][NT][XV];
-        uint4 bv[COMBINED ? NT : 1][XV];  // COMBINED: the branch, folded into xv below
-#pragma unroll
-        for (int set = 0; set < SETS + (COMBINED ? 1 : 0); ++set)
+        // The lane's columns of its tokens' rows of `rows` (x, or a deferred junction's branch).
+        auto load_tokens = [&](const T* rows, uint4 (&dst)[NT][XV]) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int token = 8 * nt + g;
-                const T* rows = set == 0 ? x : branch;
                 const uint4* src = reinterpret_cast<const uint4*>(rows + static_cast<long long>(token) * ldx +
                                                                   first_word * cpw);
 #pragma unroll
-                for (int v = 0; v < XV; ++v) {
-                    const uint4 loaded = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
-                    if (COMBINED && set == 1) bv[COMBINED ? nt : 0][v] = loaded;
-                    else xv[set < SETS ? set : 0][nt][v] = loaded;
-                }
+                for (int v = 0; v < XV; ++v) dst[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);
             }
+        };
+        uint4 xv[SETS][NT][XV];
+        uint4 bv[NT][XV];  // COMBINED: the branch, folded into xv below
+        load_tokens(x, xv[0]);
+        if constexpr (COMBINED) load_tokens(branch, bv);
+        else if constexpr (JUNCTION) load_tokens(branch, xv[SETS - 1]);
         if constexpr (JUNCTION) {
             // The norm weights of the lane's columns (the same for every token). COMBINED: h * w_next =
             // (x + r_lo u + r_hi u) * w_next with u = b * w_branch, each pair in T; otherwise the two sets x * w_next
@@ -254,7 +253,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
             const int index = blockIdx.x * per_cta + i;
             if (index >= vectors) break;
             const int m = index / vectors_per_row, col = (index % vectors_per_row) * 8;
-            const float r_branch = junction_factors(sums, m, K, eps).x;
+            const float r_branch = junction_factors(branch_sums, m, K, eps).x;
             float xs[8], bs[8], ws[8];
             load8_as_float(x + static_cast<long long>(m) * ldx + col, xs);
             load8_as_float(branch + static_cast<long long>(m) * ldx + col, bs);
@@ -278,7 +277,8 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int token = 8 * nt + 2 * t + j;
-                const float2 factors = token < M ? junction_factors(sums, token, K, eps) : make_float2(0.0f, 0.0f);
+                const float2 factors =
+                    token < M ? junction_factors(branch_sums, token, K, eps) : make_float2(0.0f, 0.0f);
 #pragma unroll
                 for (int c = j; c < 4; c += 2)
                     partial[warp][nt][c][lane] = COMBINED ? factors.y * acc[0][nt][c]
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
     }
     __syncthreads();
     if (warp != 0) return;
-    float sums_[MATS][NT][4];
+    float sums[MATS][NT][4];
 #pragma unroll
     for (int m = 0; m < MATS; ++m)
 #pragma unroll
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
                 float sum = 0.0f;
 #pragma unroll
                 for (int w = 0; w < K_WARPS; ++w) sum += partial[m * K_WARPS + w][nt][c][lane];
-                sums_[m][nt][c] = sum;
+                sums[m][nt][c] = sum;
             }
     // Accumulator c of n-tile nt: weight row g (+ 8 for c >= 2), token 8 nt + 2t + (c & 1).
     if constexpr (ROPE) {
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
             for (int j = 0; j < 2; ++j) {
                 const int token = 8 * nt + 2 * t + j;
                 if (token >= M) continue;
-                float a = sums_[0][nt][j], c = sums_[0][nt][2 + j];
+                float a = sums[0][nt][j], c = sums[0][nt][2 + j];
                 if (bias) {
                     a += to_float(bias[row_lo]);
                     c += to_float(bias[row_hi]);
@@ -340,10 +340,10 @@ __global__ void __launch_bounds__(32 * WARPS, DEFERRED % 2 == 1 && WARPS == 8 ? 
         for (int c = 0; c < 4; ++c) {
             const int row = row0 + g + (c >= 2 ? 8 : 0), token = 8 * nt + 2 * t + (c & 1);
             if (row >= N || token >= M) continue;
-            float v = sums_[0][nt][c];
+            float v = sums[0][nt][c];
             if constexpr (SWIGLU) {
                 // Round each projection to the activation dtype first, as the unfused path does.
-                const float gate = to_float(from_float<T>(v)), up = to_float(from_float<T>(sums_[MATS - 1][nt][c]));
+                const float gate = to_float(from_float<T>(v)), up = to_float(from_float<T>(sums[MATS - 1][nt][c]));
                 v = to_float(from_float<T>(silu(gate))) * up;
             }
             if (bias) v += to_float(bias[row]);
