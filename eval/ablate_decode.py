@@ -40,8 +40,8 @@ _FOLD_MMA = """{  // ablate_decode --without mma-math
         unsigned folded = 0u;
         _Pragma("unroll") for (int j = 0; j < 4; ++j) folded ^= lo.w[j] ^ hi.w[j] ^ lo.scale_bits[0] ^ hi.scale_bits[0];
         _Pragma("unroll") for (int a = 0; a < NT; ++a) _Pragma("unroll") for (int b = 0; b < XV; ++b)
-            folded ^= xv[0][a][b].x ^ xv[0][a][b].y ^ xv[0][a][b].z ^ xv[0][a][b].w;
-        SUMS[0][0][0] += __uint_as_float(folded & 0x007fffffu);
+            folded ^= xv[a][b].x ^ xv[a][b].y ^ xv[a][b].z ^ xv[a][b].w;
+        SUMS[0][0] += __uint_as_float(folded & 0x007fffffu);
     }"""
 _FOLD_GEMV = """    if constexpr (BITS != 8) {  // ablate_decode --without gemv-math
         unsigned folded = word ^ magic_minus ^ __float_as_uint(scale);
@@ -62,9 +62,9 @@ WITHOUT: dict[str, list[tuple[str, str, str]]] = {
     "gemv-x": [("gemv_dot.cuh", "xv[m][v] = reinterpret_cast<const uint4*>(x + m * ldx + col0)[v];",
                 "xv[m][v] = make_uint4(col0, m, v, 0x3c003c00u);")],
     "gemv-math": [("gemv_dot.cuh", _T2, _T2 + _FOLD_GEMV)],
-    "mma-x": [("gemm_quant_mma.cu", "dst[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
-               "dst[nt][v] = make_uint4(lane, token, v, first);")],
-    "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE, SETS>(flo, fhi, xv, {sums});",
+    "mma-x": [("gemm_quant_mma.cu", "xv[nt][v] = valid && token < M ? src[v] : make_uint4(0u, 0u, 0u, 0u);",
+               "xv[nt][v] = make_uint4(lane, token, v, first);")],
+    "mma-math": [("gemm_quant_mma.cu", f"mma_step<BITS, T, NT, POST_SCALE>(flo, fhi, xv, {sums});",
                   _FOLD_MMA.replace("SUMS", sums)) for sums in ("step", "acc")],
     # The fused decode kernel (batch 1): its projection loops emptied (fused_profile --no-math); or its weight stream
     # off (the producer warp issues nothing, the consumers never wait for a slot and multiply whatever the slots hold):
@@ -159,10 +159,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
          "ll_store16(P.o_ll + W.o_quad0 + q, pack2<T>(acc[0], acc[1]), pack2<T>(acc[2], acc[3]), seq);",
          "ll_store8(reinterpret_cast<uint2*>(P.o_ll + W.o_quad0) + p, pack2<T>(acc[0], acc[1]), seq);"),
     ],
-    # The deferred junctions' 8-warp consumer launches (--deferred-junction) at other register bounds than 128 (2 CTAs
-    # per SM): 80 (3 CTAs per SM, as the plain launches, with 50-400 bytes of spills) or unbounded (136-142, 1 CTA).
-    "mma-deferred-3-ctas": [("gemm_quant_mma.cu", "&& WARPS == 8 ? 2 : 0", "&& WARPS == 8 ? 3 : 0")],
-    "mma-deferred-1-cta": [("gemm_quant_mma.cu", "&& WARPS == 8 ? 2 : 0", "&& WARPS == 8 ? 0 : 0")],
 }  # fmt: skip
 PATCHES = {**WITHOUT, **VARIANTS}
 
@@ -226,10 +222,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
     parser.add_argument("--tile-min-rows", type=int, help="rows from which it serves (ops_cuda.TILE_MIN_ROWS)")
     parser.add_argument("--tile-waves", type=int, help="CTAs per SM its K split aims for (ops_cuda.TILE_WAVES)")
-    parser.add_argument("--deferred-junction", action="store_true",
-                        help="sandwich junctions in the projection after them (ops_cuda.DEFERRED_JUNCTION)")
-    parser.add_argument("--deferred-combined", action="store_true",
-                        help="their consumers fold the branch in as it arrives (ops_cuda.DEFERRED_COMBINED)")
     # fmt: on
 
 
@@ -247,8 +239,6 @@ def apply_switches(args: argparse.Namespace) -> None:
     if args.tile_waves:
         ops_cuda.TILE_WAVES = args.tile_waves
     ops_cuda.ROPE_EPILOGUE = not args.no_rope_epilogue
-    ops_cuda.DEFERRED_JUNCTION = args.deferred_junction or args.deferred_combined
-    ops_cuda.DEFERRED_COMBINED = args.deferred_combined
     ops_cuda.PAGED_PROGRAMMATIC = not args.plain_paged
     if args.junction_programmatic:
         ops_cuda.JUNCTION_PROGRAMMATIC_ROWS = 1
@@ -287,8 +277,6 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += f", {args.fused_inflight} batches in flight" if args.fused_inflight else ""
     label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
-    label += ", deferred junctions" if args.deferred_junction or args.deferred_combined else ""
-    label += " (combined)" if args.deferred_combined else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     if args.paged_wide:
         threads, unroll = args.paged_wide

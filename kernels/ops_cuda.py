@@ -64,12 +64,10 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
         "dequantize.cu": [f"{name}<{b}, {t}>" for name in ("dequantize_weights", "dequantize_rows") for b in (2, 3, 4, 8)
                           for t in types],
         "swiglu.cu": [f"swiglu<{t}>" for t in types],
-        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {d}, {rope}>" for b in MMA_BITS
+        "gemm_quant_mma.cu": [f"gemm_quant_mma<{b}, {t}, {nt}, {sw}, {post}, {w}, {rope}>" for b in MMA_BITS
                               for t in types for nt in ((1, 2) if full else (2,)) for sw in ("true", "false")
                               for post in ("true", "false") for w in MMA_WARPS
-                              for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))
-                              for d in (0, *((1, 3) if full or w == 8 else ()),
-                                        *((2,) if (sw, rope) == ("false", "false") and (full or w == 16) else ()))],
+                              for rope in (("false", "true") if sw == "false" and (full or w == 8) else ("false",))],
         "gemm_quant_tile.cu": [f"gemm_quant_tile<{b}, {t}, {nt}, {w}>" for b in MMA_BITS for t in types
                                for nt in TILE_NTS for w in ((4, 8) if full else (TILE_WARPS,))
                                if full or (t == "__nv_bfloat16" and (nt == 8 or b == 4))]
@@ -126,8 +124,7 @@ class _GemvPlan:
     out_features: int
     launches: dict[int, tuple[str, int]]  # rows per pass (1, 4, 8) -> (kernel name, CTAs)
     rope_launch: tuple[str, int]  # one token with the RoPE epilogue (QKV)
-    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", 0, false>" (DEFERRED, ROPE:
-    # see gemm_quant_mma.cu).
+    # The tensor-core kernel: n-tiles (1, 2) -> (name, CTAs, threads); the name ends ", false>" (", true>": RoPE).
     mma_launches: dict[int, tuple[str, int, int]] | None
 
 
@@ -230,7 +227,7 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
         # A step spans 16 words of a row; when that is one group, the scale multiplies the step's fp32 sums.
         post = "true" if fmt.group_size is None or fmt.group_size >= 16 * columns_per_word else "false"
         warps = mma_warps(ctas, owner.qweight.device)
-        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, 0, false>"
+        name = f"gemm_quant_mma<{fmt.bits}, {cuda_type(dtype)}, {{}}, {flag}, {post}, {warps}, false>"
         mma_launches = {nt: (name.format(nt), ctas, 32 * warps) for nt in (1, 2)}
     plan = _GemvPlan(pointers, tuple(matrices), tail, out_features, launches, rope_launch, mma_launches)
     owner.__dict__.setdefault("_gemv_plans", {})[(swiglu, dtype, len(layers))] = plan
@@ -239,8 +236,6 @@ def _gemv_plan(layers: list[QuantLinear], swiglu: bool, dtype: torch.dtype) -> _
 
 _NO_JUNCTION = (ptr(None),) * 5 + (f32(0.0), i32(0))
 _NO_ROPE = (ptr(None),) * 7 + (i32(0),) * 5
-_NO_DEFERRED = (ptr(None),) * 6 + (f32(0.0),)
-_NO_SUMS = (ptr(None),) * 3
 
 
 def _gemv(
@@ -249,24 +244,17 @@ def _gemv(
     swiglu: bool,
     junction: tuple = _NO_JUNCTION,
     rope: Callable[[int], tuple] | None = None,
-    deferred: tuple = _NO_DEFERRED,
-    sums: tuple = _NO_SUMS,
 ) -> torch.Tensor | None:
     """x [M, K] (M <= 32) times 1-3 QuantLinears of one format -> [M, sum N] (or [M, N] gate*up for swiglu).
     ``junction``: the gemv_quant junction-prologue arguments (then x is only the shape, see junction_mlp);
     ``rope``: the RoPE-epilogue arguments of a decode step's QKV launch for the rows from a given one on (see _attend;
-    one token per row), which writes q and the K/V pages instead of y (None is returned). ``deferred`` (a deferred
-    junction's consumer, x the residual stream) and ``sums`` (a branch producer's row sums): gemm_quant_mma.cu's
-    arguments, for one tensor-core launch (see _deferred_consumer)."""
+    one token per row), which writes q and the K/V pages instead of y (None is returned)."""
     plan = _gemv_plan(layers, swiglu, x.dtype)
     rows, K = x.shape
     fused = junction is not _NO_JUNCTION
     with_rope = rope is not None
-    consumer = deferred is not _NO_DEFERRED
     if with_rope and (swiglu or len(layers) != 3 or (rows > 1 and plan.mma_launches is None)):
         raise ValueError("the RoPE epilogue serves the QKV projection: one row, or the tensor-core kernel's rows")
-    if (consumer or sums is not _NO_SUMS) and not (MMA_MIN_ROWS <= rows <= 16 and plan.mma_launches is not None):
-        raise ValueError("deferred junctions and row sums are served by one tensor-core launch (2-16 rows)")
     y = None if with_rope else torch.empty(rows, plan.out_features, dtype=x.dtype, device=x.device)
     row_bytes, out_bytes = K * x.element_size(), plan.out_features * x.element_size()
 
@@ -280,10 +268,9 @@ def _gemv(
         for start in range(0, rows, 16):
             chunk = min(16, rows - start)
             name, ctas, threads = plan.mma_launches[1 if chunk <= 8 else 2]
-            # gemm_quant_mma.cu DEFERRED: the consumer's kind (1 or 3), the producer (2), neither (0)
-            deferred_mode = (3 if DEFERRED_COMBINED else 1) if consumer else (2 if sums is not _NO_SUMS else 0)
-            name = f"{name.removesuffix(', 0, false>')}, {deferred_mode}, {str(with_rope).lower()}>"
-            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE), *deferred, *sums)
+            if with_rope:
+                name = name.replace(", false>", ", true>")
+            args = (*arguments(start, chunk), *(rope(start) if with_rope else _NO_ROPE))
             launch(kernel("gemm_quant_mma.cu", name), (ctas,), (threads,), args, dependent=True)
         return y
     for start in range(0, rows, 8):
@@ -527,129 +514,16 @@ JUNCTION_PROLOGUE_MAX_HIDDEN = 8 * 4 * _THREADS  # norm.cuh: 8 values x MAX_VECS
 def junction_mlp(module: Any, junction: Junction) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual junction after attention and the MLP on its normed output. One decode row with quantized
     gate/up, where graphs are not captured with programmatic launches: the junction runs in the prologue of the
-    gate/up GEMV (every CTA normalizes the row into shared memory, CTA 0 writes the new residual stream); a deferred
-    junction (DEFERRED_JUNCTION) runs in the gate/up launch; otherwise the junction kernel, then the MLP (see
-    _junction_prologue)."""
+    gate/up GEMV (every CTA normalizes the row into shared memory, CTA 0 writes the new residual stream); otherwise
+    the junction kernel, then the MLP (see _junction_prologue)."""
     gate_up = [module.gate_proj, module.up_proj]
-    shape = (*junction.x.shape[:-1], -1)
-    sums = _sums_buffer(junction)
-    consumer = _deferred_consumer(junction, gate_up, sums)
-    if consumer is not None:
-        rows, total, arguments = consumer
-        activated = _gemv(rows, gate_up, swiglu=True, deferred=arguments)
-        return total, _produce_branch(activated, [module.down_proj], shape, total, junction, sums)
     prologue = _junction_prologue(junction, gate_up)
     if prologue is None:
         total, normed = residual_norm(*junction.residual_norm_args())
-        activated = project(normed.reshape(-1, normed.shape[-1]), gate_up, swiglu=True)
-    else:
-        rows, total, arguments = prologue
-        activated = _gemv(rows, gate_up, swiglu=True, junction=arguments)
-    return total, _produce_branch(activated, [module.down_proj], shape, total, junction, _zeroed(sums))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Deferred junctions (an experiment, off by default)
-# ----------------------------------------------------------------------------------------------------------------------
-
-# A batch-16 decode step launches 7 kernels per block, two of them the residual junctions: 2 x 3.23 us of ~44 us per
-# layer application (H200, thirty-third session). With DEFERRED_JUNCTION a sandwich junction runs in the tensor-core
-# launch after it instead: the branch's producer (o_proj, down_proj) adds the row sums both norms need, and the
-# consumer (QKV, gate/up) projects the residual stream and the branch separately and combines them per row
-# (gemm_quant_mma.cu, JUNCTION; the sums in fp64, so that their order does not change them). DEFERRED_COMBINED: the
-# consumer folds the branch into the residual stream as they arrive and projects one set (gemm_quant_mma.cu COMBINED)
-# instead of projecting both into two accumulators. A/B: ablate_decode --deferred-junction [--deferred-combined].
-DEFERRED_JUNCTION = False
-DEFERRED_COMBINED = False
-_ROW_SUMS = "_tinyloop_row_sums"  # attribute of a branch tensor: its _RowSums
-
-
-@dataclass(frozen=True)
-class _RowSums:
-    """A branch's per-row sums [M, 4] fp64 (b^2, x u, u^2, x^2; u = output_weight * b) against the residual stream x
-    of the junction after it."""
-
-    residual: torch.Tensor
-    sums: torch.Tensor
-
-
-def _single_mma_launch(rows: torch.Tensor, layers: list[Any], swiglu: bool) -> bool:
-    """Whether _gemv serves ``rows`` through these layers with one tensor-core launch."""
-    count = rows.shape[0]
-    return (
-        MMA_MIN_ROWS <= count <= 16
-        and not (TILE_GEMM and count >= TILE_MIN_ROWS)
-        and all(isinstance(layer, QuantLinear) for layer in layers)
-        and rows.is_contiguous()
-        and rows.data_ptr() % 16 == 0
-        and _gemv_plan(layers, swiglu, rows.dtype).mma_launches is not None
-    )
-
-
-def _sums_buffer(junction: Junction) -> torch.Tensor | None:
-    """Where this block's next branch producer adds its row sums (not yet zeroed), or None where no deferred
-    junction can follow it."""
-    x = junction.x
-    rows = x.numel() // x.shape[-1]
-    if not DEFERRED_JUNCTION or junction.mode != "sandwich" or junction.output_weight is None:
-        return None
-    if not MMA_MIN_ROWS <= rows <= 16:
-        return None
-    return torch.empty(rows, 4, dtype=torch.float64, device=x.device)
-
-
-def _zeroed(sums: torch.Tensor | None) -> torch.Tensor | None:
-    return sums.zero_() if sums is not None else None
-
-
-def _deferred_consumer(
-    junction: Junction, layers: list[Any], sums: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
-    """(the residual stream's rows, the new residual stream to be written, gemm_quant_mma's junction arguments) for a
-    launch over ``layers`` that runs the junction itself, or None where it cannot: the branch came with row sums
-    against this residual stream (see _produce_branch) and one tensor-core launch serves the rows. The launch zeroes
-    ``sums`` for the next producer."""
-    if not DEFERRED_JUNCTION or junction.mode != "sandwich" or junction.branch_weight is None:
-        return None
-    row_sums = getattr(junction.branch, _ROW_SUMS, None)
-    x, hidden = junction.x, junction.x.shape[-1]
-    if row_sums is None or row_sums.residual is not x or hidden % 8:
-        return None
-    rows, branch = x.reshape(-1, hidden), junction.branch.reshape(-1, hidden)
-    weights = (junction.branch_weight, junction.next_weight)
-    if not branch.is_contiguous() or any(t.data_ptr() % 16 for t in (branch, *weights)):
-        return None
-    if not _single_mma_launch(rows, layers, swiglu=len(layers) == 2):
-        return None
-    total = torch.empty_like(x)
-    arguments = (*map(ptr, (branch, *weights, row_sums.sums, total, sums)), f32(junction.eps))
-    return rows, total, arguments
-
-
-def _produce_branch(
-    rows: torch.Tensor,
-    layers: list[Any],
-    shape: tuple[int, ...],
-    residual: torch.Tensor,
-    junction: Junction,
-    sums: torch.Tensor | None,
-) -> torch.Tensor:
-    """rows through ``layers`` (o_proj, down_proj), viewed as ``shape``: the branch of the junction after this op,
-    carrying its row sums against ``residual`` (added into zeroed ``sums``) where the launch can make them."""
-    if sums is None or not _single_mma_launch(rows, layers, swiglu=False):
-        return project(rows, layers).view(shape)
-    out = _gemv(rows, layers, swiglu=False, sums=(ptr(residual), ptr(junction.output_weight), ptr(sums)))
-    out = out.view(shape)
-    setattr(out, _ROW_SUMS, _RowSums(residual, sums))
-    return out
-
-
-_BranchOutput = Callable[[torch.Tensor, list[Any], tuple[int, ...]], torch.Tensor]  # (rows, layers, shape) -> branch
-
-
-def _branch_output(residual: torch.Tensor, junction: Junction, sums: torch.Tensor | None) -> _BranchOutput:
-    """The output projection of a sublayer whose branch may carry row sums (see _produce_branch)."""
-    return lambda rows, layers, shape: _produce_branch(rows, layers, shape, residual, junction, sums)
+        return total, mlp(module, normed)
+    rows, total, arguments = prologue
+    activated = _gemv(rows, gate_up, swiglu=True, junction=arguments)
+    return total, project(activated, [module.down_proj]).view(*junction.x.shape[:-1], -1)
 
 
 def _junction_prologue(junction: Junction, layers: list[Any]) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
@@ -752,10 +626,7 @@ def residual_norm(
 
 
 @register_op("self_attention", CUDA)
-def self_attention(
-    module: Any, x: torch.Tensor, context: Any, slot: int, output: _BranchOutput | None = None
-) -> torch.Tensor:
-    """Attention on the normed input x; ``output``: how the output projection runs (see _attend)."""
+def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
     batch, steps, _ = x.shape
     rows = x.reshape(batch * steps, -1).contiguous()
     if attention_block.refusal(module, rows, batch, steps, context.cache) is None:
@@ -766,7 +637,7 @@ def self_attention(
         return project(rows, layers) if rope is None else _gemv(rows, layers, swiglu=False, rope=rope)
 
     return _attend(module, qkv_projection, rope_epilogue_serves(rows, layers, module.head_dim), batch, steps,
-                   context, slot, output)  # fmt: skip
+                   context, slot)  # fmt: skip
 
 
 @register_op("junction_attention", CUDA)
@@ -777,29 +648,17 @@ def junction_attention(module: Any, junction: Junction, context: Any, slot: int)
     kernel, then attention."""
     batch, steps, _ = junction.x.shape
     layers = [module.q_proj, module.k_proj, module.v_proj]
-    sums = _sums_buffer(junction)
-    consumer = _deferred_consumer(junction, layers, sums)
-    if consumer is not None:  # the junction in the QKV launch (DEFERRED_JUNCTION)
-        rows, total, arguments = consumer
+    prologue = _junction_prologue(junction, layers)
+    if prologue is None:
+        total, normed = residual_norm(*junction.residual_norm_args())
+        return total, self_attention(module, normed, context, slot)
+    rows, total, arguments = prologue
 
-        def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
-            return _gemv(rows, layers, swiglu=False, rope=rope, deferred=arguments)
+    def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
+        return _gemv(rows, layers, swiglu=False, junction=arguments, rope=rope)
 
-    else:
-        prologue = _junction_prologue(junction, layers)
-        if prologue is None:
-            total, normed = residual_norm(*junction.residual_norm_args())
-            output = _branch_output(total, junction, _zeroed(sums))
-            return total, self_attention(module, normed, context, slot, output)
-        rows, total, arguments = prologue
-        sums = _zeroed(sums)
-
-        def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
-            return _gemv(rows, layers, swiglu=False, junction=arguments, rope=rope)
-
-    output = _branch_output(total, junction, sums)
     epilogue = rope_epilogue_serves(rows, layers, module.head_dim)  # ROPE_EPILOGUE off: rope_kv_append
-    return total, _attend(module, qkv_projection, epilogue, batch, steps, context, slot, output)
+    return total, _attend(module, qkv_projection, epilogue, batch, steps, context, slot)
 
 
 def _attend(
@@ -810,10 +669,8 @@ def _attend(
     steps: int,
     context: Any,
     slot: int,
-    output: _BranchOutput | None = None,
 ) -> torch.Tensor:
-    """Attention through the output projection (``output(rows, [o_proj], shape)`` where given: see junction_attention).
-    ``qkv_projection(None)`` returns the fused QKV projection
+    """Attention through the output projection. ``qkv_projection(None)`` returns the fused QKV projection
     [batch * steps, (Hq + 2 Hkv) * D]; when ``rope_epilogue`` (its launches can take the RoPE epilogue, see
     rope_epilogue_serves) and the step is one token per row, ``qkv_projection(rope)`` (``rope(start)``: the
     epilogue's kernel arguments for the rows from ``start`` on) instead writes rotated q and the tokens' K/V itself,
@@ -884,8 +741,6 @@ def _attend(
         attended = get_op("attention", REFERENCE)(q, k, v, context.mask, context.is_causal, module.scaling,
                                                    implementation)  # fmt: skip
         out = attended.transpose(1, 2).reshape(batch * steps, heads * dim)
-    if output is not None:
-        return output(out.reshape(batch * steps, -1), [module.o_proj], (batch, steps, -1))
     return project(out.reshape(batch * steps, -1), [module.o_proj]).view(batch, steps, -1)
 
 

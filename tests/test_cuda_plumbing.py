@@ -42,11 +42,10 @@ def junction_arguments(args: tuple) -> tuple:
     return args[-19:-12]
 
 
-def rope_arguments(args: tuple, name: str = "gemv_quant") -> tuple:
+def rope_arguments(args: tuple) -> tuple:
     """A QKV launch's 12 RoPE-epilogue arguments (cos, sin, q, K pages, V pages, block table, positions,
-    max_blocks, Hq, Hkv, D, layout): the last ones of gemv_quant; in the tensor-core kernel (``name``) the deferred
-    junctions' 10 follow them."""
-    return args[-22:-10] if name.startswith("gemm_quant_mma") else args[-12:]
+    max_blocks, Hq, Hkv, D, layout): the last ones of gemv_quant and of the tensor-core kernel."""
+    return args[-12:]
 
 
 @pytest.fixture
@@ -140,13 +139,13 @@ def test_a_packed_embedding_lookup_is_one_launch(launches):
     assert int(args[5]) == 256 and int(args[7]) == 64  # table rows, K
 
 
-def _ouro_decode_step(launches: list, batch: int = 1) -> tuple:
+def _ouro_decode_step(launches: list) -> tuple:
     """An INT4 Ouro model (2 loop-block layers x 3 loops, sandwich norms) and its cache, with ``launches`` holding
-    the kernels of one decode step of ``batch`` rows after an 8-token prompt, from its first layer on (the step's RoPE
-    angles, one launch, come first and are checked and dropped here)."""
+    the kernels of one decode step after an 8-token prompt, from its first layer on (the step's RoPE angles, one
+    launch, come first and are checked and dropped here)."""
     model = _model("ouro", 4)
     cache = PagedTinyLoopCache(model.config, capacity=64)
-    ids = torch.randint(1, 256, (batch, 9))
+    ids = torch.randint(1, 256, (1, 9))
     with torch.no_grad():
         model(ids[:, :8], past_key_values=cache, use_cache=True)
         launches.clear()
@@ -240,43 +239,12 @@ def test_a_batched_decode_step_rotates_in_the_tensor_core_qkv_launch(launches):
     assert not any(name.startswith("rope_kv_append") for name in names)
     qkv = [args for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma") and name.endswith(", true>")]
     assert len(qkv) == 2 * config.num_hidden_layers  # rows 0-15 and 16-19 of each layer's QKV projection
-    first, second = (rope_arguments(launch, "gemm_quant_mma") for launch in qkv[:2])
+    first, second = (rope_arguments(launch) for launch in qkv[:2])
     table_row, angles_row = cache.storage.blocks_per_row * 4, dim // 2 * 4  # bytes per row of int32 / fp32 tables
     advanced = [int(b) - int(a) for a, b in zip(first[:7], second[:7], strict=True)]
     # cos, sin, q, K pages, V pages, block table, positions: the second launch starts at row 16
     assert advanced == [16 * angles_row, 16 * angles_row, 16 * heads * dim * 2, 0, 0, 16 * table_row, 16 * 4]
     assert [int(v) for v in first[7:]] == [cache.storage.blocks_per_row, heads, kv_heads, dim, 0]
-
-
-@pytest.mark.parametrize("combined", [False, True])
-def test_deferred_junctions_chain_their_row_sums_through_the_projections(launches, monkeypatch, combined):
-    """ops_cuda.DEFERRED_JUNCTION: a batched Ouro step launches the junction kernel only where a loop starts and ends.
-    Every O / down launch adds row sums (DEFERRED = 2) against the residual stream that the QKV / gate-up launch
-    before it wrote; every later QKV / gate-up launch (DEFERRED = 1, or 3 with DEFERRED_COMBINED) reads the sums of
-    the producer before it, writes the residual stream the next producer reads and zeroes that producer's sums."""
-    monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", True)
-    monkeypatch.setattr(ops_cuda, "DEFERRED_COMBINED", combined)
-    model, _ = _ouro_decode_step(launches, batch=4)
-    config = model.config
-    names = [name for _, name, *_ in launches]
-    assert sum(name.startswith("residual_norm") for name in names) == 2 * config.num_loops
-    mma = [(name, args) for _, name, _, args, _ in launches if name.startswith("gemm_quant_mma")]
-    modes = [int(name.split(", ")[-2]) for name, _ in mma]
-    consumer = 3 if combined else 1
-    later_blocks = [consumer, 2, consumer, 2] * (config.num_loop_layers - 1)  # QKV, O, gate/up, down
-    assert modes == ([0, 0, 0, 2] + later_blocks) * config.num_loops
-    consumed = 0
-    for i, mode in enumerate(modes):
-        if mode != consumer:
-            continue
-        consumed += 1
-        producer, following = mma[i - 1][1], mma[i + 1][1]
-        x, (_, _, _, sums, total, zero, _) = mma[i][1][0], mma[i][1][-10:-3]
-        sums_x, _, sums_out = producer[-3:]
-        assert (int(x), int(sums)) == (int(sums_x), int(sums_out))  # its residual stream and the sums against it
-        next_x, _, next_sums = following[-3:]
-        assert (int(total), int(zero)) == (int(next_x), int(next_sums))
-    assert consumed == 2 * (config.num_loop_layers - 1) * config.num_loops
 
 
 @pytest.mark.parametrize("batch", [1, 48])
@@ -323,7 +291,7 @@ def test_an_int8_decode_step_stages_new_kv_for_paged_decode(launches, batch):
     assert torch.equal(staged_table, torch.arange(batch, dtype=torch.int32)[:, None].expand_as(staged_table))
     names = [name for _, name, *_ in launches]
     assert not any(name.startswith("rope_kv_append") for name in names)
-    qkv = [rope_arguments(args, name) for _, name, _, args, _ in launches
+    qkv = [rope_arguments(args) for _, name, _, args, _ in launches
            if name.startswith(("gemv_quant", "gemm_quant_mma")) and name.endswith(", true>")]  # fmt: skip
     assert qkv and all(int(rope[3]) == staged_k.data_ptr() and int(rope[4]) == staged_v.data_ptr() for rope in qkv)
     assert all(int(rope[5]) == staged_table.data_ptr() for rope in qkv[:1])  # the first launch starts at row 0

@@ -206,21 +206,18 @@ class TinyLoopBlock(nn.Module):
         next block, given them as (x, ``deferred``), runs that junction together with its own input norm and
         attention (one op, which the CUDA path fuses into the QKV projection)."""
         eps, mode = self.input_layernorm.eps, self.block_norm
-        branch_norm = getattr(self, "input_layernorm_2", None)
-        branch_weight = branch_norm.weight if branch_norm is not None else None
-        last_norm = getattr(self, "post_attention_layernorm_2", None)
-        last_weight = last_norm.weight if last_norm is not None else None
         if deferred is None:
             attn = self.self_attn(self.input_layernorm(x), context, slot)
         else:
-            junction = Junction(x, deferred.branch, deferred.branch_weight, self.input_layernorm.weight, eps, mode,
-                                output_weight=branch_weight)  # fmt: skip
+            junction = Junction(x, deferred.branch, deferred.branch_weight, self.input_layernorm.weight, eps, mode)
             x, attn = get_op("junction_attention", self.op_backend)(self.self_attn, junction, context, slot)
-        junction = Junction(x, attn, branch_weight, self.post_attention_layernorm.weight, eps, mode,
-                            output_weight=last_weight)  # fmt: skip
+        branch_norm = getattr(self, "input_layernorm_2", None)
+        branch_weight = branch_norm.weight if branch_norm is not None else None
+        junction = Junction(x, attn, branch_weight, self.post_attention_layernorm.weight, eps, mode)
         x, mlp = get_op("junction_mlp", self.op_backend)(self.mlp, junction)
+        last_norm = getattr(self, "post_attention_layernorm_2", None)
         if defer:
-            return x, DeferredJunction(mlp, last_weight)
+            return x, DeferredJunction(mlp, last_norm.weight if last_norm is not None else None)
         x, _ = self._junction(x, mlp, last_norm, None)
         return x
 

@@ -77,9 +77,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 class Junction:
     """A block's residual junction as the fused block-level ops take it (see the residual_norm op): the residual
     stream ``x``, the sublayer output ``branch``, the branch's norm weight (sandwich / post modes), the next
-    sublayer's input-norm weight, eps and mode ("pre", "sandwich", "post_residual"). ``output_weight``: the branch
-    norm weight that the next sublayer's own output takes at the junction after it (sandwich mode), for backends that
-    prepare that junction while producing the output (the CUDA path's deferred junctions); the reference ignores it."""
+    sublayer's input-norm weight, eps and mode ("pre", "sandwich", "post_residual")."""
 
     x: torch.Tensor
     branch: torch.Tensor
@@ -87,7 +85,6 @@ class Junction:
     next_weight: torch.Tensor
     eps: float
     mode: str
-    output_weight: torch.Tensor | None = None
 
     def residual_norm_args(self) -> tuple:
         return self.x, self.branch, self.branch_weight, self.next_weight, self.eps, self.mode

@@ -62,33 +62,6 @@ def test_cuda_path_matches_reference_path(variant, quant):
     assert (got.float() - want.float()).abs().max() <= 1e-2 * scale  # decode: GEMV, paged attention
 
 
-@pytest.mark.parametrize("quant", ["int4-g32", "int8", "int2-g32-head8"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("combined", [False, True])
-def test_deferred_junctions_match_reference_path(quant, dtype, combined, monkeypatch):
-    """ops_cuda.DEFERRED_JUNCTION (Ouro's sandwich junctions inside the QKV and gate/up launches, their row sums added
-    by the O and down launches; both consumers): decode steps of 5 and 16 rows against the reference path, with the
-    deferred launches and their producers' sums actually run; graph replays give the eager steps' logits exactly (the
-    fp64 sums do not depend on the order the CTAs add them in)."""
-    from tinyloop_hf.kernels import ops_cuda
-
-    monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", True)
-    monkeypatch.setattr(ops_cuda, "DEFERRED_COMBINED", combined)
-    names, kernel = set(), ops_cuda.kernel
-    monkeypatch.setattr(ops_cuda, "kernel", lambda file, name: names.add(name) or kernel(file, name))
-    reference = _model("ouro", QUANTS[quant], dtype)
-    eager = _model("ouro", QUANTS[quant], dtype).use_cuda_path(cuda_graphs=False)
-    graphs = _model("ouro", QUANTS[quant], dtype).use_cuda_path()
-    for rows in (5, 16):
-        ids = torch.randint(1, 256, (rows, 12), generator=torch.Generator().manual_seed(rows)).cuda()
-        want = decode_logits(reference, ids, 6, TinyLoopCache(reference.config))
-        got = decode_logits(eager, ids, 6, eager.new_cache())
-        assert (got - want).abs().max() <= 1e-2 * want.abs().max()
-        assert torch.equal(decode_logits(graphs, ids, 6, graphs.new_cache()), got)
-    deferred_modes = {name.split(", ")[-2] for name in names if name.startswith("gemm_quant_mma")}
-    assert {"3" if combined else "1", "2"} <= deferred_modes
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("quant", ["int4-g32", "int8", "int2-g32-head8"])
 @pytest.mark.parametrize("min_rows", [33, 2])
@@ -403,17 +376,8 @@ def _agree_up_to_a_near_tie(got, want, scores):
         assert margin < 0.05, f"tokens part at step {step} with a score margin of {margin}"
 
 
-@pytest.mark.parametrize(
-    "variant,quant,deferred",
-    [("ouro", "fp16", False), ("huginn", "int4-g32", False), ("llama", "int8", False),
-     pytest.param("ouro", "int4-g32", True, id="ouro-int4-g32-deferred")],
-)  # fmt: skip
-def test_self_speculation_on_the_cuda_path(variant, quant, deferred, monkeypatch):
-    """Self-speculative greedy decoding agrees with plain greedy decoding; ``deferred``: with ops_cuda.DEFERRED_JUNCTION
-    (its junctions then run in the verifier's QKV / gate-up launches over k + 1 tokens a row, too)."""
-    from tinyloop_hf.kernels import ops_cuda
-
-    monkeypatch.setattr(ops_cuda, "DEFERRED_JUNCTION", deferred)
+@pytest.mark.parametrize("variant,quant", [("ouro", "fp16"), ("huginn", "int4-g32"), ("llama", "int8")])
+def test_self_speculation_on_the_cuda_path(variant, quant):
     model = _model(variant, QUANTS[quant], num_loops=3).use_cuda_path()
     ids = IDS[:2].cuda()
     mask = torch.ones_like(ids)
