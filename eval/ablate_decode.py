@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tinyloop_hf import TinyLoopForCausalLM
-from tinyloop_hf.kernels import attention_block, fused_decode, loader, ops_cuda
+from tinyloop_hf.kernels import fused_decode, loader, ops_cuda
 
 from .bench import base_model, build_ours
 from .gpu import require_gpu
@@ -214,9 +214,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
                         help="the fused kernel launched without the cooperative attribute (its default)")
     parser.add_argument("--no-fused-programmatic", action="store_true",
                         help="the fused kernel launched after the kernel before it ends (fused_decode.PROGRAMMATIC)")
-    parser.add_argument("--attention-block", action="store_true",
-                        help="kernels/attention_block.cu instead of QKV GEMV, paged decode and O GEMV")
-    parser.add_argument("--plain-attention-block", action="store_true", help="attention_block launched plainly")
     parser.add_argument("--no-tile-gemm", action="store_true",
                         help="rows past GEMV_MAX_ROWS through dequantize + cuBLAS, not kernels/gemm_quant_tile.cu")
     parser.add_argument("--tile-warps", type=int, choices=(4, 8), help="its warps per CTA (ops_cuda.TILE_WARPS)")
@@ -228,8 +225,6 @@ def add_switches(parser: argparse.ArgumentParser) -> None:
 def apply_switches(args: argparse.Namespace) -> None:
     """Set the switches ``add_switches`` parsed, before any kernel is compiled or launched."""
     fused_decode.FUSED_DECODE = args.fused_decode
-    attention_block.ATTENTION_BLOCK = args.attention_block
-    attention_block.PROGRAMMATIC = not args.plain_attention_block
     ops_cuda.MMA_WIDE = not args.no_mma_wide
     ops_cuda.TILE_GEMM = not args.no_tile_gemm
     if args.tile_warps:
@@ -275,7 +270,6 @@ def switches_label(args: argparse.Namespace, model: Any) -> str:
     label += ", no K/V prefetch" if model._cuda_path.fused.steps and args.no_kv_prefetch else ""
     label += f", TMA batches of {args.fused_chunk} bytes" if args.fused_chunk else ""
     label += f", {args.fused_inflight} batches in flight" if args.fused_inflight else ""
-    label += ", attention block" if attention_block.ATTENTION_BLOCK and args.batch == 1 else ""
     label += ", programmatic junctions" if args.junction_programmatic else ""
     label += ", programmatic paged clusters" if args.paged_cluster_programmatic else ""
     if args.paged_wide:

@@ -1,5 +1,5 @@
-// One step of a split-KV decode attention's token loop (attention_block.cu, fused_decode.cu): each "sub" of D/8
-// lanes serves one token, 8 of its D elements per lane, UNROLL tokens per sub per step.
+// One step of a split-KV decode attention's token loop (fused_decode.cu): each "sub" of D/8 lanes serves one token,
+// 8 of its D elements per lane, UNROLL tokens per sub per step.
 #pragma once
 #include "common.cuh"
 

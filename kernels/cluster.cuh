@@ -1,5 +1,5 @@
-// Thread-block cluster helpers (sm_90+) and the partial softmax states (empty, merged), shared by paged_attention.cu,
-// attention_block.cu and fused_decode.cu.
+// Thread-block cluster helpers (sm_90+) and the partial softmax states (empty, merged), shared by paged_attention.cu
+// and fused_decode.cu.
 #pragma once
 #include "common.cuh"
 

@@ -22,7 +22,7 @@ from tinyloop_hf.ops_tinyloop import REFERENCE, Junction, get_op, register_op, r
 from tinyloop_hf.paged_cache import MAX_CONTINUATION_VECTORS, PagedTinyLoopCache
 from tinyloop_hf.quant_tinyloop import PackedModule, QuantEmbedding, QuantLinear
 
-from . import attention_block, fused_decode
+from . import fused_decode
 from .loader import (
     CUDA_TYPE,
     CudaPathUnavailable,
@@ -82,9 +82,6 @@ def instantiations(full: bool = True) -> dict[str, list[str]]:
                                for n, u in ((_THREADS, _DECODE_UNROLL), *(() if c > 1 else PAGED_WIDE_SHAPES))
                                if full or n == _THREADS or (t, i, g) == ("__nv_bfloat16", 0, 1)],
         "sampling.cu": [f"{name}<{t}>" for name in ("sample_tokens", "advance_greedy") for t in types],
-        "attention_block.cu": [f"ablock::attention_block<{t}, {d}, {g}, {w}, {s}>" for t in types
-                               for d in (64, 128) for g in (1, 2, 4) for w in attention_block.WARPS
-                               for s in (0, 1) if full or (d, g, w, s) == (128, 1, 12, 0)],
         "fused_decode.cu": [f"fused::fused_decode<{t}, {d}, {g}, {n}>" for t in types for d in (64, 128, 256)
                             for g in (1, 2, 4, 8) for n in fused_decode.THREAD_CHOICES
                             if full or (t, d, g, n) == ("__nv_bfloat16", 128, 1, 384)],
@@ -629,8 +626,6 @@ def residual_norm(
 def self_attention(module: Any, x: torch.Tensor, context: Any, slot: int) -> torch.Tensor:
     batch, steps, _ = x.shape
     rows = x.reshape(batch * steps, -1).contiguous()
-    if attention_block.refusal(module, rows, batch, steps, context.cache) is None:
-        return attention_block.attend(module, rows, context, slot).view(batch, steps, -1)
     layers = [module.q_proj, module.k_proj, module.v_proj]
 
     def qkv_projection(rope: Callable[[int], tuple] | None) -> torch.Tensor | None:
