@@ -1,5 +1,5 @@
-// The CUDA-core GEMV's row loop (used by gemv_quant.cu): R weight rows of one warp dotted
-// with up to MAXM activation rows, weights streamed in 16-byte chunks, two chunks per lane in flight.
+// The CUDA-core GEMV's row loop (used by gemv_quant.cu): R weight rows of one warp dotted with up to MAXM activation
+// rows, weights streamed in 16-byte chunks, two chunks per lane in flight.
 #pragma once
 #include "gemv_dot.cuh"
 
