@@ -766,8 +766,11 @@ PAGED_WIDE: tuple[int, int] | None = (256, 8)
 PAGED_WIDE_SHAPES = ((256, 4), (256, 8))  # the shapes compiled for it
 PAGED_WIDE_MIN_CTAS = 132
 # H200, batch 16 at 300 cached tokens: 5.166 ms per replay with one CTA against 5.451 with split CTAs (twenty-eighth
-# session). Longer rows keep the split CTAs (one CTA was not measured between 512 and 2,048 tokens).
-PAGED_WIDE_MAX_TOKENS = 512
+# session). H100, forty-third session, one replay each (`ablate_decode --context C`, page capacity in brackets): batch
+# 16 at 700 [768] 6.665 against 7.036 ms, at 1,000 [1,280] 7.855 against 8.257, at 2,000 [2,560] 11.830 against
+# 12.340; batch 64 at 1,000 [1,280] 23.817 against 26.017. 2,560 is also the capacity bucket of the bench's 2,048-token
+# prompts with 128 new tokens. Longer rows keep the split CTAs (not measured there with one CTA).
+PAGED_WIDE_MAX_TOKENS = 2560
 
 
 def decode_shape(batch: int, kv_heads: int, vectors: int, dim: int, capacity: int) -> tuple[int, int]:

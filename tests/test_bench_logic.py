@@ -168,7 +168,7 @@ def test_wide_paged_decode_ctas_serve_many_short_rows_within_shared_memory(group
     """One 256-thread CTA per (row, KV head), no split merge, where the launch fills the GPU's SMs and the rows are
     short; split CTAs of 128 threads otherwise (few rows: batch 1's clusters; long contexts: many steps per CTA)."""
     kv_heads = 16 // group
-    for batch, capacity in ((16, 256), (16, 512), (64, 128), (1, 256), (4, 256), (16, 2048)):
+    for batch, capacity in ((16, 256), (16, 512), (64, 128), (1, 256), (4, 256), (16, 2560), (64, 1280), (16, 4096)):
         wide = batch * kv_heads >= ops_cuda.PAGED_WIDE_MIN_CTAS and capacity <= ops_cuda.PAGED_WIDE_MAX_TOKENS
         fits = 4 * _decode_shared_floats(group, dim, 1, 256) <= _SMEM_LIMIT
         threads, unroll = ops_cuda.decode_shape(batch, kv_heads, group, dim, capacity)
